@@ -1,0 +1,1 @@
+"""Generated from protos/api.proto by scripts/gen_api.py. Never edit by hand."""

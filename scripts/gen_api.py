@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""Regenerate fuse_plugin/api/ from protos/api.proto.
+
+Usage: python scripts/gen_api.py [--out DIR]
+
+The stubs are generated with the pinned grpcio-tools from the dev extras so that the
+committed files are byte-for-byte reproducible; tests/test_api_stubs.py regenerates into
+a temporary directory and fails when the committed copy is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from grpc_tools import protoc
+
+ROOT = Path(__file__).resolve().parent.parent
+GENERATED = ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py")
+
+
+def generate(out_root: Path) -> list[Path]:
+    """Generate into out_root/fuse_plugin/api and return the files written."""
+    target = out_root / "fuse_plugin" / "api"
+    target.mkdir(parents=True, exist_ok=True)
+    # The virtual include path makes protoc emit package-absolute imports
+    # ("from fuse_plugin.api import api_pb2") instead of a bare "import api_pb2".
+    args = [
+        "grpc_tools.protoc",
+        f"-Ifuse_plugin/api={ROOT / 'protos'}",
+        f"--python_out={out_root}",
+        f"--pyi_out={out_root}",
+        f"--grpc_python_out={out_root}",
+        f"fuse_plugin/api/api.proto",
+    ]
+    if protoc.main(args) != 0:
+        raise SystemExit("protoc failed")
+    return [target / name for name in GENERATED]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT, help="root to write fuse_plugin/api under")
+    args = parser.parse_args()
+    for path in generate(args.out):
+        print(path.relative_to(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
