@@ -1,0 +1,136 @@
+"""The FUSE device node, its health, and the slots the plugin advertises.
+
+/dev/fuse is one shared character device, so a slot is a ticket rather than a piece
+of hardware: every slot is healthy exactly when the node is a char device 10:229.
+State is one object behind one condition variable with a version counter, so that
+ListAndWatch streams sleep until something changes instead of polling.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import stat
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+FUSE_MAJOR = 10
+FUSE_MINOR = 229
+
+
+class Health(str, enum.Enum):
+    # The kubelet compares these strings literally (pluginapi.Healthy / Unhealthy).
+    HEALTHY = "Healthy"
+    UNHEALTHY = "Unhealthy"
+
+
+@dataclass(frozen=True)
+class Probe:
+    health: Health
+    reason: str
+
+
+def probe(path: Path) -> Probe:
+    """Check that ``path`` is the FUSE character device (10:229)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return Probe(Health.UNHEALTHY, f"{path} does not exist")
+    except OSError as err:
+        return Probe(Health.UNHEALTHY, f"{path}: {err.strerror}")
+    if not stat.S_ISCHR(st.st_mode):
+        return Probe(Health.UNHEALTHY, f"{path} is not a character device")
+    found = (os.major(st.st_rdev), os.minor(st.st_rdev))
+    if found != (FUSE_MAJOR, FUSE_MINOR):
+        return Probe(Health.UNHEALTHY,
+                     f"{path} is char {found[0]}:{found[1]}, not {FUSE_MAJOR}:{FUSE_MINOR}")
+    return Probe(Health.HEALTHY, f"{path} is char {FUSE_MAJOR}:{FUSE_MINOR}")
+
+
+def slot_ids(count: int) -> tuple[str, ...]:
+    """Short, stable IDs: the kubelet checkpoints them, so a restart must yield the same."""
+    return tuple(f"fuse-{index}" for index in range(count))
+
+
+class DeviceState:
+    """Health of the device node plus a version that moves on every change."""
+
+    def __init__(self, device: Path, slots: int) -> None:
+        self.device = device
+        self.ids = slot_ids(slots)
+        self._known = frozenset(self.ids)
+        self._cond = threading.Condition()
+        self._version = 0
+        self._closed = False
+        self._probe = probe(device)
+
+    @property
+    def health(self) -> Health:
+        return self._probe.health
+
+    @property
+    def reason(self) -> str:
+        return self._probe.reason
+
+    def refresh(self) -> Probe | None:
+        """Re-check the node; return the new probe if health changed, else None."""
+        result = probe(self.device)
+        with self._cond:
+            if result.health == self._probe.health:
+                self._probe = result
+                return None
+            self._probe = result
+            self._version += 1
+            self._cond.notify_all()
+        return result
+
+    def snapshot(self) -> tuple[int, Health]:
+        with self._cond:
+            return self._version, self._probe.health
+
+    def wait_for_change(self, seen: int, stop: Callable[[], bool] = lambda: False,
+                        timeout: float | None = None) -> tuple[int, Health]:
+        """Block until the version moves past ``seen``, the state closes, or ``stop()``.
+
+        ``stop`` is re-checked whenever ``wake`` is called; a closed state returns the
+        version unchanged, which tells a stream to end.
+        """
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._version != seen or self._closed or stop(), timeout)
+            return (seen if self._closed else self._version), self._probe.health
+
+    def wake(self) -> None:
+        """Let every waiter re-check its own stop condition (e.g. a cancelled stream)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def problems(self, ids: Iterable[str]) -> dict[str, list[str]]:
+        """Group unusable IDs by why: unknown, duplicate or unhealthy. Empty when all fine."""
+        found: dict[str, list[str]] = {}
+        seen: set[str] = set()
+        healthy = self._probe.health is Health.HEALTHY
+        for device_id in ids:
+            if device_id not in self._known:
+                kind = "unknown"
+            elif device_id in seen:
+                kind = "duplicate"
+            elif not healthy:
+                kind = "unhealthy"
+            else:
+                seen.add(device_id)
+                continue
+            seen.add(device_id)
+            found.setdefault(kind, []).append(device_id)
+        return found

@@ -1,0 +1,75 @@
+"""One line per event, as text for people or JSON for log pipelines.
+
+Call sites name an event and attach fields (``event(log, "registered", endpoint=...)``);
+the formatter decides the shape, so the same call reads well in a terminal and parses
+cleanly in Loki or Elasticsearch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any, TextIO
+
+LOGGER_NAME = "fuse_plugin"
+FORMATS = ("text", "json")
+LEVELS = ("debug", "info", "warning", "error")
+
+
+def _timestamp(record: logging.LogRecord) -> str:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+    return f"{stamp}.{int(record.msecs):03d}Z"
+
+
+class TextFormatter(logging.Formatter):
+    """``<time> <LEVEL> <event> key=value ...``: greppable and short."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields: dict[str, Any] = getattr(record, "fields", {})
+        parts = [_timestamp(record), record.levelname, record.getMessage()]
+        parts += [f"{key}={_text_value(value)}" for key, value in fields.items()]
+        return " ".join(parts)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line with ``ts``, ``level``, ``event`` and the event's fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields: dict[str, Any] = getattr(record, "fields", {})
+        line = {"ts": _timestamp(record), "level": record.levelname.lower(),
+                "event": record.getMessage(), **fields}
+        return json.dumps(line, default=str, separators=(",", ":"))
+
+
+def _text_value(value: object) -> str:
+    if isinstance(value, (list, tuple)):
+        text = ",".join(str(item) for item in value)
+    else:
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return json.dumps(text) if (" " in text or not text) else text
+
+
+def setup(log_format: str = "text", level: str = "info", stream: TextIO | None = None
+          ) -> logging.Logger:
+    """Configure the package logger (idempotent: a second call replaces the handler)."""
+    logger = logging.getLogger(LOGGER_NAME)
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
+    return logger
+
+
+def get() -> logging.Logger:
+    return logging.getLogger(LOGGER_NAME)
+
+
+def event(logger: logging.Logger, name: str, level: int = logging.INFO, **fields: Any) -> None:
+    """Log one event; fields become ``key=value`` (text) or JSON members."""
+    if logger.isEnabledFor(level):
+        logger.log(level, name, extra={"fields": fields})

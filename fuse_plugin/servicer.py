@@ -1,0 +1,148 @@
+"""The DevicePlugin RPCs the kubelet calls on our socket.
+
+Follow an Allocate from the socket to the response here: the kubelet sends one
+ContainerAllocateRequest per container, we check every ID against ``DeviceState`` and
+answer each container with the same DeviceSpec for the FUSE node. Nothing here does
+I/O or waits on anything but the state's condition, so Allocate can never block.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from fuse_plugin import logs
+from fuse_plugin.api import api_pb2 as api
+from fuse_plugin.api import api_pb2_grpc
+from fuse_plugin.devices import DeviceState, Health
+
+CONTAINER_DEVICE = "/dev/fuse"
+# The kubelet opens one ListAndWatch stream per registration. The sync gRPC server gives
+# each stream a worker thread, so streams are capped below the pool size: unary calls
+# (Allocate above all) always find a free worker.
+MAX_STREAMS = 16
+WORKERS = MAX_STREAMS + 8
+
+
+class FusePlugin(api_pb2_grpc.DevicePluginServicer):
+    """Answers the kubelet from ``DeviceState``; responses are prebuilt where they can be."""
+
+    def __init__(self, state: DeviceState, log: logging.Logger,
+                 on_allocate: Callable[[int, float], None] | None = None) -> None:
+        self._state = state
+        self._log = log
+        self._on_allocate = on_allocate
+        self._streams = 0
+        self._streams_lock = threading.Lock()
+        # Both possible device lists are built once: a 10,000-slot list costs ~20 ms
+        # to build in Python and ~1 ms to serialise.
+        self._lists = {
+            health: api.ListAndWatchResponse(
+                devices=[api.Device(ID=i, health=health.value) for i in state.ids])
+            for health in Health
+        }
+        self._container = api.ContainerAllocateResponse(devices=[api.DeviceSpec(
+            container_path=CONTAINER_DEVICE, host_path=str(state.device), permissions="rw")])
+
+    @property
+    def open_streams(self) -> int:
+        return self._streams
+
+    def GetDevicePluginOptions(self, request: api.Empty, context: grpc.ServicerContext
+                               ) -> api.DevicePluginOptions:
+        return api.DevicePluginOptions(pre_start_required=False,
+                                       get_preferred_allocation_available=True)
+
+    def ListAndWatch(self, request: api.Empty, context: grpc.ServicerContext
+                     ) -> Iterator[api.ListAndWatchResponse]:
+        with self._streams_lock:
+            if self._streams >= MAX_STREAMS:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"at most {MAX_STREAMS} ListAndWatch streams may be open")
+            self._streams += 1
+        context.add_callback(self._state.wake)
+        try:
+            version, health = self._state.snapshot()
+            logs.event(self._log, "listandwatch.open", health=health.value,
+                       slots=len(self._state.ids), streams=self._streams)
+            yield self._lists[health]
+            while True:
+                seen = version
+                version, health = self._state.wait_for_change(
+                    seen, stop=lambda: not context.is_active())
+                if version == seen:  # closed, or the kubelet went away
+                    break
+                yield self._lists[health]
+        finally:
+            with self._streams_lock:
+                self._streams -= 1
+            logs.event(self._log, "listandwatch.closed", streams=self._streams)
+
+    def GetPreferredAllocation(self, request: api.PreferredAllocationRequest,
+                               context: grpc.ServicerContext) -> api.PreferredAllocationResponse:
+        responses = []
+        for container in request.container_requests:
+            size = container.allocation_size
+            must = list(dict.fromkeys(container.must_include_deviceIDs))
+            if size < len(must):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"allocation_size {size} is smaller than the "
+                              f"{len(must)} must_include_deviceIDs")
+            available = set(container.available_deviceIDs)
+            missing = [i for i in must if i not in available]
+            if missing:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"must_include_deviceIDs not in available_deviceIDs: "
+                              f"{', '.join(missing)}")
+            chosen = set(must)
+            # Lowest slots first, so allocations pack and the list is deterministic.
+            extra = sorted((i for i in available if i not in chosen), key=_slot_order)
+            picked = must + extra[:size - len(must)]
+            if len(picked) < size:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"allocation_size {size} exceeds the "
+                              f"{len(available)} available_deviceIDs")
+            responses.append(api.ContainerPreferredAllocationResponse(deviceIDs=picked))
+        return api.PreferredAllocationResponse(container_responses=responses)
+
+    def Allocate(self, request: api.AllocateRequest, context: grpc.ServicerContext
+                 ) -> api.AllocateResponse:
+        started = time.perf_counter()
+        containers = request.container_requests
+        ids = [i for container in containers for i in container.devices_ids]
+        if not containers or any(not c.devices_ids for c in containers):
+            self._refuse(context, "empty allocation request: every container request "
+                         "must name at least one device ID", ids)
+        problems = self._state.problems(ids)
+        if problems:
+            detail = "; ".join(f"{kind} device IDs: {', '.join(found)}"
+                               for kind, found in problems.items())
+            if "unhealthy" in problems:
+                detail += f" ({self._state.reason})"
+            self._refuse(context, detail, ids)
+        response = api.AllocateResponse(
+            container_responses=[self._container] * len(containers))
+        elapsed = time.perf_counter() - started
+        if self._on_allocate:
+            self._on_allocate(len(containers), elapsed)
+        logs.event(self._log, "allocate", containers=len(containers), ids=ids,
+                   host_path=str(self._state.device),
+                   duration_ms=round(elapsed * 1000, 3))
+        return response
+
+    def PreStartContainer(self, request: api.PreStartContainerRequest,
+                          context: grpc.ServicerContext) -> api.PreStartContainerResponse:
+        return api.PreStartContainerResponse()
+
+    def _refuse(self, context: grpc.ServicerContext, detail: str, ids: list[str]) -> None:
+        logs.event(self._log, "allocate.refused", logging.WARNING, ids=ids, reason=detail)
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail)
+
+
+def _slot_order(device_id: str) -> tuple[int, str]:
+    _, _, number = device_id.rpartition("-")
+    return (int(number), "") if number.isdigit() else (1 << 62, device_id)
