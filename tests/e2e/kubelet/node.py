@@ -1,0 +1,483 @@
+#!/usr/bin/env python3
+"""Start and stop the real-kubelet e2e node: a private containerd, a standalone
+kubelet (built by setup.sh) and, on request, our device plugin.
+
+    node.py up [--slots N]   start containerd + kubelet (+ `fuse-device-plugin serve`)
+    node.py down             tear down by recorded PIDs, unmount what was mounted
+    node.py status           show recorded processes and the kubelet's pods
+
+Every process is started here and recorded in $STATE/pids/NAME.json with its PID
+and its start time (from /proc/PID/stat); teardown signals only a recorded PID
+whose start time still matches, so a recycled PID is never hit.  Processes are
+never looked up or killed by name.  The test module imports this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+STATE = Path(os.environ.get("FDP_E2E_STATE", "/run/fuse-device-plugin-e2e"))
+DATA = Path(os.environ.get("FDP_E2E_DATA", "/var/lib/fuse-device-plugin-e2e"))
+LOGDIR = Path(os.environ.get("FDP_E2E_LOGDIR", "/var/log/fuse-device-plugin-e2e"))
+CACHE = Path(os.environ.get("FDP_CACHE", "/var/cache/fuse-device-plugin"))
+# kubelet 1.20 hard-codes /var/lib/kubelet/device-plugins/kubelet.sock, so the
+# kubelet root must be /var/lib/kubelet.
+KUBELET_ROOT = Path("/var/lib/kubelet")
+DEVICE_PLUGIN_DIR = KUBELET_ROOT / "device-plugins"
+SECCOMP_ROOT = KUBELET_ROOT / "seccomp"
+NODE_NAME = "fdp-e2e-node"
+READONLY = "http://127.0.0.1:10255"
+HEALTHZ = "http://127.0.0.1:10248/healthz"
+CONTAINERD_SOCK = STATE / "containerd" / "containerd.sock"
+MANIFESTS = STATE / "manifests"
+PIDS = STATE / "pids"
+RESOURCE = "github.com/fuse"
+RUN_ANNOTATION = "fuse-device-plugin.e2e/run"
+
+# teardown order: consumers before what they consume
+STOP_ORDER = ["kubelet", "plugin", "sshd", "containerd"]
+
+T = TypeVar("T")
+
+
+def log(msg: str) -> None:
+    print(f"[node {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Timeout(AssertionError):
+    pass
+
+
+def wait_for(pred: Callable[[], T | None], timeout: float, what: str,
+             interval: float = 0.2, detail: Callable[[], str] | None = None) -> T:
+    """Poll real state until pred() returns something truthy, or fail after timeout."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while True:
+        try:
+            val = pred()
+            if val:
+                return val
+        except Exception as exc:  # state not there yet (socket, HTTP, file)
+            last_exc = exc
+        if time.monotonic() > deadline:
+            msg = f"timed out after {timeout:.0f}s waiting for {what}"
+            if last_exc is not None:
+                msg += f" (last error: {last_exc!r})"
+            if detail is not None:
+                msg += "\n" + detail()
+            raise Timeout(msg)
+        time.sleep(interval)
+
+
+# ---------------------------------------------------------------- processes
+
+def proc_start_time(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    if fields[0] == "Z":
+        return None
+    return int(fields[19])
+
+
+class Node:
+    def __init__(self, kubelet_bin: Path | None = None, plugin_bin: Path | None = None,
+                 lock: bool = True) -> None:
+        self.kubelet_bin = kubelet_bin or find_kubelet()
+        self.plugin_bin = plugin_bin or find_plugin()
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.images = read_images_env()
+        self._lockf = None
+        if lock:
+            DATA.mkdir(parents=True, exist_ok=True)
+            self._lockf = open(DATA / "lock", "w")  # noqa: SIM115
+            try:
+                fcntl.flock(self._lockf, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log(f"waiting for another e2e run holding {DATA / 'lock'}")
+                fcntl.flock(self._lockf, fcntl.LOCK_EX)
+
+    # ---- recorded processes
+    def spawn(self, name: str, argv: list[str], logfile: Path | None = None,
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        PIDS.mkdir(parents=True, exist_ok=True)
+        logfile = logfile or LOGDIR / f"{name}.log"
+        logfile.parent.mkdir(parents=True, exist_ok=True)
+        out = open(logfile, "ab")  # noqa: SIM115
+        out.write(f"\n==== {time.strftime('%F %T')} start {' '.join(argv)}\n".encode())
+        out.flush()
+        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True, env=env)
+        out.close()
+        st = proc_start_time(p.pid)
+        (PIDS / f"{name}.json").write_text(json.dumps(
+            {"pid": p.pid, "start_time": st, "argv": argv, "log": str(logfile)}))
+        self.children[name] = p
+        log(f"started {name} pid {p.pid}: {' '.join(argv)}")
+        return p
+
+    def record(self, name: str) -> dict[str, Any] | None:
+        try:
+            rec: dict[str, Any] = json.loads((PIDS / f"{name}.json").read_text())
+            return rec
+        except (OSError, ValueError):
+            return None
+
+    def alive(self, name: str) -> bool:
+        p = self.children.get(name)
+        if p is not None:
+            return p.poll() is None
+        rec = self.record(name)
+        return rec is not None and proc_start_time(rec["pid"]) == rec["start_time"]
+
+    def pid(self, name: str) -> int | None:
+        rec = self.record(name)
+        return rec["pid"] if rec and self.alive(name) else None
+
+    def send_signal(self, name: str, sig: int) -> bool:
+        """Send sig to the recorded process if it is still the one we started."""
+        rec = self.record(name)
+        if rec is None or not self.alive(name):
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rec["pid"], sig)
+        return True
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
+        if self.send_signal(name, sig):
+            log(f"stopping {name} (pid {self.record(name)['pid']}) with {signal.Signals(sig).name}")  # type: ignore[index]
+            try:
+                wait_for(lambda: not self.alive(name), timeout, f"{name} to exit")
+            except Timeout:
+                log(f"{name} did not exit on {signal.Signals(sig).name}: SIGKILL")
+                self.send_signal(name, signal.SIGKILL)
+                wait_for(lambda: not self.alive(name), 10, f"{name} to exit after SIGKILL")
+        p = self.children.pop(name, None)
+        if p is not None:
+            p.wait()
+        with contextlib.suppress(FileNotFoundError):
+            (PIDS / f"{name}.json").unlink()
+
+    # ---- containerd
+    def ctr(self, *args: str, check: bool = True, timeout: float = 120) -> str:
+        r = subprocess.run(["ctr", "--address", str(CONTAINERD_SOCK), "--namespace", "k8s.io", *args],
+                           capture_output=True, text=True, timeout=timeout, check=False)
+        if check and r.returncode != 0:
+            raise RuntimeError(f"ctr {' '.join(args)} failed ({r.returncode}): {r.stderr.strip()}")
+        return r.stdout
+
+    def start_containerd(self) -> None:
+        for d in [STATE / "containerd" / "state", DATA / "containerd" / "root",
+                  STATE / "cni" / "bin", STATE / "cni" / "net.d"]:
+            d.mkdir(parents=True, exist_ok=True)
+        cfg = STATE / "containerd.toml"
+        render(HERE / "containerd.toml.in", cfg, PAUSE_IMAGE=self.images["PAUSE_IMAGE"])
+        self.spawn("containerd", ["containerd", "--config", str(cfg)])
+        wait_for(lambda: self.alive("containerd") and
+                 subprocess.run(["ctr", "--address", str(CONTAINERD_SOCK), "version"],
+                                capture_output=True, check=False).returncode == 0,
+                 30, "containerd to serve its socket", detail=lambda: tail(LOGDIR / "containerd.log"))
+        have = set(self.ctr("images", "ls", "-q").split())
+        for key in ["PAUSE", "WORKLOAD"]:
+            ref = self.images[f"{key}_IMAGE"]
+            if ref not in have:
+                log(f"importing {ref}")
+                self.ctr("images", "import", self.images[f"{key}_TAR"])
+        have = set(self.ctr("images", "ls", "-q").split())
+        missing = [self.images[f"{k}_IMAGE"] for k in ["PAUSE", "WORKLOAD"]
+                   if self.images[f"{k}_IMAGE"] not in have]
+        if missing:
+            raise RuntimeError(f"images not in containerd after import: {missing}; have {sorted(have)}")
+
+    # ---- kubelet
+    def start_kubelet(self) -> None:
+        MANIFESTS.mkdir(parents=True, exist_ok=True)
+        for d in [KUBELET_ROOT, DEVICE_PLUGIN_DIR, SECCOMP_ROOT]:
+            d.mkdir(parents=True, exist_ok=True)
+        cfg = STATE / "kubelet-config.yaml"
+        render(HERE / "kubelet-config.yaml.in", cfg)
+        sock = f"unix://{CONTAINERD_SOCK}"
+        self.kubelet_log_offset = log_size(LOGDIR / "kubelet.log")
+        self.spawn("kubelet", [
+            str(self.kubelet_bin), f"--config={cfg}",
+            "--container-runtime=remote", f"--container-runtime-endpoint={sock}",
+            f"--image-service-endpoint={sock}", f"--root-dir={KUBELET_ROOT}",
+            f"--hostname-override={NODE_NAME}",
+            f"--pod-infra-container-image={self.images['PAUSE_IMAGE']}",
+            f"--seccomp-profile-root={SECCOMP_ROOT}", "--v=2",
+        ])
+        wait_for(lambda: self.alive("kubelet") and http_get(HEALTHZ) == "ok", 60,
+                 "kubelet healthz", detail=lambda: tail(LOGDIR / "kubelet.log"))
+        wait_for(lambda: self.pods() is not None, 30, "kubelet read-only port /pods",
+                 detail=lambda: tail(LOGDIR / "kubelet.log"))
+        # The device manager serves kubelet.sock once it has started.
+        wait_for(lambda: (DEVICE_PLUGIN_DIR / "kubelet.sock").is_socket(), 30,
+                 "kubelet.sock in the device-plugin dir", detail=lambda: tail(LOGDIR / "kubelet.log"))
+
+    def restart_kubelet(self) -> None:
+        self.stop("kubelet")
+        self.start_kubelet()
+
+    # ---- our plugin
+    def plugin_argv(self, slots: int) -> list[str]:
+        return [str(self.plugin_bin), "serve", "--device-plugin-dir", str(DEVICE_PLUGIN_DIR),
+                "--fuse-device", "/dev/fuse", "--slots", str(slots)]
+
+    def start_plugin(self, slots: int) -> int:
+        """Start the plugin; returns the kubelet log offset before it started."""
+        off = log_size(LOGDIR / "kubelet.log")
+        self.spawn("plugin", self.plugin_argv(slots))
+        return off
+
+    # ---- pods
+    def pods(self) -> list[dict[str, Any]] | None:
+        body = http_get(f"{READONLY}/pods")
+        return json.loads(body).get("items") or []
+
+    def add_pod(self, name: str, spec: dict[str, Any], annotations: dict[str, str] | None = None) -> str:
+        """Write a static pod manifest; returns the run id stamped into its annotations
+        (static pod UIDs hash the manifest: a fresh annotation gives a fresh pod)."""
+        run_id = uuid.uuid4().hex[:12]
+        manifest = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default",
+                         "annotations": {RUN_ANNOTATION: run_id, **(annotations or {})}},
+            "spec": spec,
+        }
+        MANIFESTS.mkdir(parents=True, exist_ok=True)
+        tmp = MANIFESTS / f".{name}.json.tmp"  # the kubelet ignores dot-files
+        tmp.write_text(json.dumps(manifest, indent=1))
+        tmp.rename(MANIFESTS / f"{name}.json")
+        return run_id
+
+    def remove_pod(self, name: str, timeout: float = 60) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (MANIFESTS / f"{name}.json").unlink()
+        full = f"{name}-{NODE_NAME}"
+        wait_for(lambda: all(p["metadata"]["name"] != full for p in (self.pods() or [])),
+                 timeout, f"pod {full} to be removed by the kubelet",
+                 detail=lambda: tail(LOGDIR / "kubelet.log"))
+
+    def find_pod(self, name: str, run_id: str) -> dict[str, Any] | None:
+        full = f"{name}-{NODE_NAME}"
+        for p in self.pods() or []:
+            md = p["metadata"]
+            if md["name"] == full and (md.get("annotations") or {}).get(RUN_ANNOTATION) == run_id:
+                return p
+        return None
+
+    def container_log(self, pod: dict[str, Any], container: str) -> str:
+        """The container's log as the kubelet keeps it (CRI format lines -> text)."""
+        md = pod["metadata"]
+        d = Path("/var/log/pods") / f"{md['namespace']}_{md['name']}_{md['uid']}" / container
+        out = []
+        for f in sorted(d.glob("*.log")):
+            for line in f.read_text(errors="replace").splitlines():
+                parts = line.split(" ", 3)
+                out.append(parts[3] if len(parts) == 4 else line)
+        return "\n".join(out)
+
+    # ---- whole node
+    def up(self, slots: int | None = None) -> None:
+        self.down(quiet=True)
+        LOGDIR.mkdir(parents=True, exist_ok=True)
+        for n in ["containerd", "kubelet", "plugin"]:
+            with contextlib.suppress(FileNotFoundError):
+                (LOGDIR / f"{n}.log").unlink()
+        self.start_containerd()
+        if slots is not None:
+            self.start_plugin(slots)
+        self.start_kubelet()
+
+    def down(self, quiet: bool = False) -> None:
+        manifests = list(MANIFESTS.glob("*")) if MANIFESTS.is_dir() else []
+        for m in manifests:
+            m.unlink()
+        if self.alive("kubelet") and manifests:
+            try:
+                wait_for(lambda: not self.pods(), 60, "the kubelet to remove all static pods")
+            except Timeout as exc:
+                log(str(exc))
+        for name in STOP_ORDER:
+            if name == "containerd":
+                self.remove_containers()
+            self.stop(name)
+        for rec in PIDS.glob("*.json") if PIDS.is_dir() else []:
+            self.stop(rec.stem)
+        self.kill_recorded_shims()
+        self.unmount_all()
+        if not quiet:
+            log("node is down")
+
+    def remove_containers(self) -> None:
+        """Kill and delete what the kubelet left in containerd (by container id)."""
+        if not self.alive("containerd"):
+            return
+        for line in self.ctr("tasks", "ls", check=False).splitlines()[1:]:
+            cid = line.split()[0]
+            self.ctr("tasks", "kill", "-s", "SIGKILL", cid, check=False)
+            self.ctr("tasks", "rm", "-f", cid, check=False)
+        for cid in self.ctr("containers", "ls", "-q", check=False).split():
+            self.ctr("containers", "rm", cid, check=False)
+
+    def kill_recorded_shims(self) -> None:
+        """Shims and container inits that containerd recorded under our private state dir."""
+        tasks = STATE / "containerd" / "state" / "io.containerd.runtime.v2.task"
+        if not tasks.is_dir():
+            return
+        for pidfile in list(tasks.glob("*/*/init.pid")) + list(tasks.glob("*/*/shim.pid")):
+            with contextlib.suppress(OSError, ValueError):
+                pid = int(pidfile.read_text().strip())
+                exe = os.readlink(f"/proc/{pid}/exe")
+                log(f"killing leftover {exe} pid {pid} recorded in {pidfile}")
+                os.kill(pid, signal.SIGKILL)
+
+    def unmount_all(self) -> None:
+        roots = [str(STATE), str(DATA), str(KUBELET_ROOT / "pods"), str(KUBELET_ROOT / "plugins")]
+        for _ in range(3):
+            mps = [mp for mp in mountpoints() if any(mp == r or mp.startswith(r + "/") for r in roots)]
+            if not mps:
+                return
+            for mp in sorted(mps, key=lambda m: m.count("/"), reverse=True):
+                r = subprocess.run(["umount", mp], capture_output=True, text=True, check=False)
+                if r.returncode != 0:
+                    subprocess.run(["umount", "-l", mp], capture_output=True, check=False)
+                log(f"unmounted {mp}")
+
+    def status(self) -> str:
+        lines = []
+        for rec in sorted(PIDS.glob("*.json")) if PIDS.is_dir() else []:
+            r = json.loads(rec.read_text())
+            lines.append(f"{rec.stem:12} pid {r['pid']:>7} {'alive' if self.alive(rec.stem) else 'gone'}")
+        with contextlib.suppress(Exception):
+            for p in self.pods() or []:
+                lines.append(f"pod {p['metadata']['name']}: {p.get('status', {}).get('phase')}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- helpers
+
+def find_kubelet() -> Path:
+    env = os.environ.get("FDP_KUBELET")
+    if env:
+        return Path(env)
+    r = subprocess.run([str(HERE / "setup.sh"), "path"], capture_output=True, text=True, check=False)
+    return Path(r.stdout.strip())
+
+
+def find_plugin() -> Path:
+    env = os.environ.get("FDP_PLUGIN_BIN")
+    if env:
+        return Path(env)
+    for cand in [REPO / ".venv" / "bin" / "fuse-device-plugin", Path(sys.executable).parent / "fuse-device-plugin"]:
+        if cand.exists():
+            return cand
+    return Path(shutil.which("fuse-device-plugin") or "fuse-device-plugin")
+
+
+def read_images_env() -> dict[str, str]:
+    env = {}
+    with contextlib.suppress(FileNotFoundError):
+        for line in (CACHE / "images" / "images.env").read_text().splitlines():
+            k, _, v = line.partition("=")
+            env[k] = v
+    return env
+
+
+def render(src: Path, dst: Path, **extra: str) -> None:
+    text = src.read_text().replace("@STATE@", str(STATE)).replace("@DATA@", str(DATA))
+    for k, v in extra.items():
+        text = text.replace(f"@{k}@", v)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text(text)
+
+
+def http_get(url: str, timeout: float = 5) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (loopback only)
+        return r.read().decode()
+
+
+def log_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def read_log(path: Path, since: int = 0) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(since)
+            return f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def grep_log(path: Path, pattern: str, since: int = 0) -> list[str]:
+    rx = re.compile(pattern)
+    return [line for line in read_log(path, since).splitlines() if rx.search(line)]
+
+
+def tail(path: Path, n: int = 40) -> str:
+    lines = read_log(path).splitlines()[-n:]
+    return f"--- last {len(lines)} lines of {path}:\n" + "\n".join(lines)
+
+
+def mountpoints() -> list[str]:
+    out = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        mp = line.split()[4].encode().decode("unicode_escape")
+        out.append(mp)
+    return out
+
+
+@contextlib.contextmanager
+def node_up(slots: int | None = None) -> Iterator[Node]:
+    n = Node()
+    try:
+        n.up(slots)
+        yield n
+    finally:
+        n.down()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cmd", choices=["up", "down", "status"])
+    ap.add_argument("--slots", type=int, help="also start `fuse-device-plugin serve --slots N`")
+    args = ap.parse_args()
+    n = Node(lock=False)
+    if args.cmd == "up":
+        n.up(args.slots)
+        # leave the processes running; `node.py down` stops them by recorded PID
+        n.children.clear()
+        print(n.status())
+    elif args.cmd == "down":
+        n.down()
+    else:
+        print(n.status())
+
+
+if __name__ == "__main__":
+    main()
