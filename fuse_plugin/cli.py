@@ -39,7 +39,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fuse_plugin.servicer import FusePlugin
 
     settings = config.from_args(args)
-    log = logs.setup(settings.log_format, settings.log_level)
+    log = logs.setup(settings.log_format, settings.log_level,
+                     resource=settings.resource_name)
     directory = settings.device_plugin_dir
     if directory.exists() and not directory.is_dir():
         return fail(f"--device-plugin-dir {directory} exists and is not a directory",

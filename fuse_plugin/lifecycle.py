@@ -69,7 +69,8 @@ class _Events(FileSystemEventHandler):
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         plugin = self._plugin
-        paths = {os.fsdecode(event.src_path), os.fsdecode(getattr(event, "dest_path", "") or "")}
+        dest = getattr(event, "dest_path", "") or ""
+        paths = {os.fsdecode(event.src_path), os.fsdecode(dest)}
         if str(plugin.settings.fuse_device) in paths:
             plugin.device_changed()
         if str(plugin.settings.kubelet_socket) in paths and event.event_type != "deleted":
@@ -124,9 +125,9 @@ class Lifecycle:
     def run(self) -> int:
         """Run until ``stop()``; returns the process exit code."""
         self._watch()
-        logs.event(self._log, "start", resource=self.settings.resource_name,
-                   socket=str(self.settings.socket_path), device=str(self.state.device),
-                   health=self.state.health.value, slots=len(self.state.ids))
+        logs.event(self._log, "start", socket=str(self.settings.socket_path),
+                   device=str(self.state.device), health=self.state.health.value,
+                   slots=len(self.state.ids))
         backoff = BACKOFF_FIRST
         next_safety = time.monotonic() + SAFETY_INTERVAL
         try:
@@ -212,8 +213,8 @@ class Lifecycle:
             return False
         self.status.registrations += 1
         self._set_registered(True)
-        logs.event(self._log, "registered", resource=self.settings.resource_name,
-                   endpoint=self.settings.socket_name, slots=len(self.state.ids),
+        logs.event(self._log, "registered", endpoint=self.settings.socket_name,
+                   slots=len(self.state.ids),
                    duration_ms=round((time.perf_counter() - started) * 1000, 2))
         return True
 
@@ -241,8 +242,8 @@ class Lifecycle:
         if self._server is not None:
             self._server.stop(grace=STOP_GRACE).wait()
         # Remove the socket only if it is still ours: a successor may have replaced it.
-        if self._our_socket is not None and _identity(self.settings.socket_path) == \
-                self._our_socket:
+        ours = self._our_socket
+        if ours is not None and _identity(self.settings.socket_path) == ours:
             self.settings.socket_path.unlink(missing_ok=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.status.serving = False

@@ -23,21 +23,30 @@ def _timestamp(record: logging.LogRecord) -> str:
     return f"{stamp}.{int(record.msecs):03d}Z"
 
 
-class TextFormatter(logging.Formatter):
+class _Formatter(logging.Formatter):
+    def __init__(self, context: dict[str, Any]) -> None:
+        super().__init__()
+        self.context = context
+
+    def fields(self, record: logging.LogRecord) -> dict[str, Any]:
+        return {**getattr(record, "fields", {}), **self.context}
+
+
+class TextFormatter(_Formatter):
     """``<time> <LEVEL> <event> key=value ...``: greppable and short."""
 
     def format(self, record: logging.LogRecord) -> str:
-        fields: dict[str, Any] = getattr(record, "fields", {})
+        fields = self.fields(record)
         parts = [_timestamp(record), record.levelname, record.getMessage()]
         parts += [f"{key}={_text_value(value)}" for key, value in fields.items()]
         return " ".join(parts)
 
 
-class JsonFormatter(logging.Formatter):
+class JsonFormatter(_Formatter):
     """One JSON object per line with ``ts``, ``level``, ``event`` and the event's fields."""
 
     def format(self, record: logging.LogRecord) -> str:
-        fields: dict[str, Any] = getattr(record, "fields", {})
+        fields = self.fields(record)
         line = {"ts": _timestamp(record), "level": record.levelname.lower(),
                 "event": record.getMessage(), **fields}
         return json.dumps(line, default=str, separators=(",", ":"))
@@ -51,14 +60,19 @@ def _text_value(value: object) -> str:
     return json.dumps(text) if (" " in text or not text) else text
 
 
-def setup(log_format: str = "text", level: str = "info", stream: TextIO | None = None
-          ) -> logging.Logger:
-    """Configure the package logger (idempotent: a second call replaces the handler)."""
+def setup(log_format: str = "text", level: str = "info", stream: TextIO | None = None,
+          **context: Any) -> logging.Logger:
+    """Configure the package logger (idempotent: a second call replaces the handler).
+
+    ``context`` fields (e.g. the resource name) end every line, so a node running two
+    plugins still has lines that say which one spoke.
+    """
     logger = logging.getLogger(LOGGER_NAME)
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
     handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
+    handler.setFormatter(JsonFormatter(context) if log_format == "json"
+                         else TextFormatter(context))
     logger.addHandler(handler)
     logger.setLevel(level.upper())
     logger.propagate = False

@@ -57,6 +57,8 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
         self.directory = Path(directory)
         self.registrations: list[Registration] = []
         self.refusals: list[str] = []
+        # Refuse this many Register calls (UNAVAILABLE), as a kubelet still starting would.
+        self.refuse_next = 0
         self._endpoints: dict[str, _Endpoint] = {}
         self._cond = threading.Condition()
         self._server: grpc.Server | None = None
@@ -123,6 +125,9 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
                  ) -> api.Empty:
         received = time.perf_counter()
         problem = self._validate(request)
+        if not problem and self.refuse_next > 0:
+            self.refuse_next -= 1
+            problem = "device manager not ready (refused by test)"
         if problem:
             with self._cond:
                 self.refusals.append(problem)

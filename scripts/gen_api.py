@@ -32,7 +32,7 @@ def generate(out_root: Path) -> list[Path]:
         f"--python_out={out_root}",
         f"--pyi_out={out_root}",
         f"--grpc_python_out={out_root}",
-        f"fuse_plugin/api/api.proto",
+        "fuse_plugin/api/api.proto",
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
@@ -41,7 +41,8 @@ def generate(out_root: Path) -> list[Path]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT, help="root to write fuse_plugin/api under")
+    parser.add_argument("--out", type=Path, default=ROOT,
+                        help="root to write fuse_plugin/api under")
     args = parser.parse_args()
     for path in generate(args.out):
         print(path.relative_to(args.out))

@@ -1,0 +1,182 @@
+"""Unit tests of the DevicePlugin RPCs through grpcio-testing's in-process server."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Generator
+from pathlib import Path
+
+import grpc
+import grpc_testing  # type: ignore[import-untyped]
+import pytest
+
+from fuse_plugin.api import api_pb2 as api
+from fuse_plugin.devices import DeviceState
+from fuse_plugin.servicer import FusePlugin
+from tests.conftest import Node, make_fuse_node
+
+SERVICE = api.DESCRIPTOR.services_by_name["DevicePlugin"]
+
+
+@pytest.fixture
+def state(node: Node) -> DeviceState:
+    return DeviceState(node.device, 4)
+
+
+@pytest.fixture
+def server(state: DeviceState) -> grpc_testing.Server:
+    plugin = FusePlugin(state, logging.getLogger("test"))
+    return grpc_testing.server_from_dictionary({SERVICE: plugin},
+                                               grpc_testing.strict_real_time())
+
+
+def unary(server: grpc_testing.Server, method: str, request: object
+          ) -> tuple[object, grpc.StatusCode, str]:
+    rpc = server.invoke_unary_unary(SERVICE.methods_by_name[method], (), request, None)
+    response, _, code, details = rpc.termination()
+    return response, code, details
+
+
+def allocate(server: grpc_testing.Server, *containers: list[str]
+             ) -> tuple[api.AllocateResponse, grpc.StatusCode, str]:
+    request = api.AllocateRequest(container_requests=[
+        api.ContainerAllocateRequest(devices_ids=ids) for ids in containers])
+    response, code, details = unary(server, "Allocate", request)
+    return response, code, details  # type: ignore[return-value]
+
+
+def test_options_offer_preferred_allocation_and_no_prestart(server: grpc_testing.Server) -> None:
+    response, code, _ = unary(server, "GetDevicePluginOptions", api.Empty())
+    assert code is grpc.StatusCode.OK
+    assert response == api.DevicePluginOptions(get_preferred_allocation_available=True,
+                                               pre_start_required=False)
+
+
+def test_allocate_answers_each_container_with_the_fuse_device(
+        server: grpc_testing.Server, node: Node) -> None:
+    response, code, _ = allocate(server, ["fuse-0"], ["fuse-1"])
+    assert code is grpc.StatusCode.OK
+    assert len(response.container_responses) == 2
+    for container in response.container_responses:
+        assert list(container.devices) == [api.DeviceSpec(
+            container_path="/dev/fuse", host_path=str(node.device), permissions="rw")]
+        assert not container.mounts
+        assert not container.envs
+        assert not container.cdi_devices
+
+
+@pytest.mark.parametrize(("containers", "expected"), [
+    ([["fuse-7"]], "unknown device IDs: fuse-7"),
+    ([["fuse-0", "gpu-0"]], "unknown device IDs: gpu-0"),
+    ([["fuse-1"], ["fuse-1"]], "duplicate device IDs: fuse-1"),
+    ([], "empty allocation request"),
+    ([[]], "empty allocation request"),
+])
+def test_allocate_refuses_bad_ids_naming_them(server: grpc_testing.Server,
+                                              containers: list[list[str]], expected: str) -> None:
+    _, code, details = allocate(server, *containers)
+    assert code is grpc.StatusCode.INVALID_ARGUMENT
+    assert expected in details
+
+
+def test_allocate_refuses_unhealthy_ids(server: grpc_testing.Server, state: DeviceState,
+                                        node: Node) -> None:
+    node.remove_device()
+    assert state.refresh() is not None
+    _, code, details = allocate(server, ["fuse-0", "fuse-2"])
+    assert code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "unhealthy device IDs: fuse-0, fuse-2" in details
+    assert "does not exist" in details
+
+
+def test_preferred_allocation_includes_required_and_picks_from_available(
+        server: grpc_testing.Server) -> None:
+    request = api.PreferredAllocationRequest(container_requests=[
+        api.ContainerPreferredAllocationRequest(
+            available_deviceIDs=["fuse-3", "fuse-2", "fuse-1"],
+            must_include_deviceIDs=["fuse-3"], allocation_size=2),
+        api.ContainerPreferredAllocationRequest(available_deviceIDs=["fuse-0", "fuse-2"],
+                                                allocation_size=1)])
+    response, code, _ = unary(server, "GetPreferredAllocation", request)
+    assert code is grpc.StatusCode.OK
+    assert [list(c.deviceIDs) for c in response.container_responses] == [  # type: ignore[attr-defined]
+        ["fuse-3", "fuse-1"], ["fuse-0"]]
+
+
+@pytest.mark.parametrize(("available", "must", "size", "expected"), [
+    (["fuse-0"], ["fuse-1"], 1, "not in available_deviceIDs: fuse-1"),
+    (["fuse-0"], [], 2, "exceeds the 1 available_deviceIDs"),
+    (["fuse-0", "fuse-1"], ["fuse-0", "fuse-1"], 1, "smaller than the 2 must_include"),
+])
+def test_preferred_allocation_refuses_impossible_requests(
+        server: grpc_testing.Server, available: list[str], must: list[str], size: int,
+        expected: str) -> None:
+    request = api.PreferredAllocationRequest(container_requests=[
+        api.ContainerPreferredAllocationRequest(available_deviceIDs=available,
+                                                must_include_deviceIDs=must,
+                                                allocation_size=size)])
+    _, code, details = unary(server, "GetPreferredAllocation", request)
+    assert code is grpc.StatusCode.INVALID_ARGUMENT
+    assert expected in details
+
+
+def test_prestart_answers_empty(server: grpc_testing.Server) -> None:
+    response, code, _ = unary(server, "PreStartContainer",
+                              api.PreStartContainerRequest(devices_ids=["fuse-0"]))
+    assert code is grpc.StatusCode.OK
+    assert response == api.PreStartContainerResponse()
+
+
+def _stream(server: grpc_testing.Server) -> Generator[api.ListAndWatchResponse, None, None]:
+    rpc = server.invoke_unary_stream(SERVICE.methods_by_name["ListAndWatch"], (),
+                                     api.Empty(), None)
+    try:
+        while True:
+            yield rpc.take_response()
+    finally:
+        rpc.cancel()
+
+
+def _healths(message: api.ListAndWatchResponse) -> list[str]:
+    return [device.health for device in message.devices]
+
+
+def test_list_and_watch_sends_the_list_then_every_health_change(
+        server: grpc_testing.Server, state: DeviceState, node: Node) -> None:
+    stream = _stream(server)
+    first = next(stream)
+    assert [d.ID for d in first.devices] == ["fuse-0", "fuse-1", "fuse-2", "fuse-3"]
+    assert _healths(first) == ["Healthy"] * 4
+    node.remove_device()
+    state.refresh()
+    assert _healths(next(stream)) == ["Unhealthy"] * 4
+    node.restore_device()
+    state.refresh()
+    assert _healths(next(stream)) == ["Healthy"] * 4
+    stream.close()
+
+
+def test_list_and_watch_ends_when_the_state_closes(server: grpc_testing.Server,
+                                                   state: DeviceState) -> None:
+    rpc = server.invoke_unary_stream(SERVICE.methods_by_name["ListAndWatch"], (),
+                                     api.Empty(), None)
+    rpc.take_response()
+    done = threading.Event()
+
+    def wait_for_end() -> None:
+        rpc.termination()
+        done.set()
+
+    threading.Thread(target=wait_for_end, daemon=True).start()
+    state.close()
+    assert done.wait(5), "ListAndWatch did not end after the state closed"
+    assert rpc.termination()[1] is grpc.StatusCode.OK
+
+
+def test_wrong_device_node_is_unhealthy(tmp_path: Path, node: Node) -> None:
+    wrong = tmp_path / "not-fuse"
+    make_fuse_node(wrong, 195, 0)
+    state = DeviceState(wrong, 1)
+    assert state.health.value == "Unhealthy"
+    assert "195:0, not 10:229" in state.reason
