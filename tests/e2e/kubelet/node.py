@@ -76,6 +76,8 @@ def wait_for(pred: Callable[[], T | None], timeout: float, what: str,
             val = pred()
             if val:
                 return val
+        except AssertionError:  # pred found a definite failure: report it now
+            raise
         except Exception as exc:  # state not there yet (socket, HTTP, file)
             last_exc = exc
         if time.monotonic() > deadline:
@@ -215,6 +217,10 @@ class Node:
         MANIFESTS.mkdir(parents=True, exist_ok=True)
         for d in [KUBELET_ROOT, DEVICE_PLUGIN_DIR, SECCOMP_ROOT]:
             d.mkdir(parents=True, exist_ok=True)
+        # The kubelet bind-mounts its root dir onto itself to make it rshared;
+        # remember that it was not a mount point so teardown undoes exactly that.
+        if str(KUBELET_ROOT) not in mountpoints():
+            (STATE / "kubelet-root-bind-mounted").touch()
         cfg = STATE / "kubelet-config.yaml"
         render(HERE / "kubelet-config.yaml.in", cfg)
         sock = f"unix://{CONTAINERD_SOCK}"
@@ -258,6 +264,8 @@ class Node:
     def add_pod(self, name: str, spec: dict[str, Any], annotations: dict[str, str] | None = None) -> str:
         """Write a static pod manifest; returns the run id stamped into its annotations
         (static pod UIDs hash the manifest: a fresh annotation gives a fresh pod)."""
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name):
+            raise ValueError(f"pod name {name!r} is not a DNS-1123 label")
         run_id = uuid.uuid4().hex[:12]
         manifest = {
             "apiVersion": "v1", "kind": "Pod",
@@ -327,6 +335,10 @@ class Node:
             self.stop(rec.stem)
         self.kill_recorded_shims()
         self.unmount_all()
+        # The kubelet leaves its registration socket behind; with no kubelet serving it, a
+        # plugin started later would dial a dead socket. Ours re-creates it at every start.
+        with contextlib.suppress(FileNotFoundError):
+            (DEVICE_PLUGIN_DIR / "kubelet.sock").unlink()
         if not quiet:
             log("node is down")
 
@@ -355,6 +367,12 @@ class Node:
 
     def unmount_all(self) -> None:
         roots = [str(STATE), str(DATA), str(KUBELET_ROOT / "pods"), str(KUBELET_ROOT / "plugins")]
+        marker = STATE / "kubelet-root-bind-mounted"
+        if marker.exists():
+            while str(KUBELET_ROOT) in mountpoints():
+                subprocess.run(["umount", str(KUBELET_ROOT)], check=True)
+                log(f"unmounted {KUBELET_ROOT} (the kubelet's rshared bind mount)")
+            marker.unlink()
         for _ in range(3):
             mps = [mp for mp in mountpoints() if any(mp == r or mp.startswith(r + "/") for r in roots)]
             if not mps:
@@ -414,7 +432,7 @@ def render(src: Path, dst: Path, **extra: str) -> None:
 
 
 def http_get(url: str, timeout: float = 5) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (loopback only)
+    with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read().decode()
 
 

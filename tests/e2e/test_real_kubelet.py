@@ -1,0 +1,586 @@
+"""The real kubelet (issue 6): a standalone kubelet built from Debian bookworm's
+`kubernetes` source (1.20.2), Debian's containerd 1.6 and runc start static pods
+that use our device plugin.
+
+Everything is asserted from the kubelet's own reports: pod status from its
+read-only port (``/pods``), its log (``--v=2``) and the container logs it keeps
+under /var/log/pods.  Standalone, the kubelet has no API server to publish its
+node object to; it logs ``Update capacity for github.com/fuse to N`` whenever it
+rebuilds the node for admission, and admits or refuses pods against it.
+
+Setup (packages, the cached kubelet build, images) is tests/e2e/kubelet/setup.sh;
+the processes are started and torn down by recorded PID in tests/e2e/kubelet/node.py.
+Logs stay in /var/log/fuse-device-plugin-e2e/ (evidence.txt: the lines that prove
+each scenario).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+KDIR = HERE / "kubelet"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+SLOTS = 4
+RESOURCE = "github.com/fuse"
+SECCOMP_SUBDIR = "fuse-device-plugin"
+SETUP_TIMEOUT = 1500  # a cold kubelet build is ~5 min on 2 cores; apt may wait for a lock
+
+
+def _load_node_module() -> Any:
+    spec = importlib.util.spec_from_file_location("fdp_e2e_node", KDIR / "node.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["fdp_e2e_node"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+nodemod = _load_node_module()
+KUBELET_LOG = nodemod.LOGDIR / "kubelet.log"
+EVIDENCE = nodemod.LOGDIR / "evidence.txt"
+
+
+def _skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "real-kubelet e2e stage needs root (it runs containerd, a kubelet and mounts)"
+    try:
+        st = os.stat("/dev/fuse")
+    except FileNotFoundError:
+        return "real-kubelet e2e stage needs /dev/fuse, which this machine lacks"
+    if not stat.S_ISCHR(st.st_mode) or os.major(st.st_rdev) != 10 or os.minor(st.st_rdev) != 229:
+        return "/dev/fuse here is not the FUSE char device 10:229"
+    return None
+
+
+# ---------------------------------------------------------------- evidence / reporting
+
+def evidence(scenario: str, lines: list[str] | str) -> None:
+    if isinstance(lines, str):
+        lines = [lines]
+    text = "".join(f"[{scenario}] {line}\n" for line in lines)
+    print(text, end="")
+    with open(EVIDENCE, "a") as f:
+        f.write(text)
+
+
+def kubelet_lines(since: int, *patterns: str) -> list[str]:
+    rx = re.compile("|".join(patterns))
+    return [ln for ln in nodemod.read_log(KUBELET_LOG, since).splitlines() if rx.search(ln)]
+
+
+def pod_report(node: Any, pod: dict[str, Any] | None, since: int, name: str) -> str:
+    """What the kubelet reported about a pod: status, its log lines, the container log."""
+    parts = []
+    if pod is None:
+        parts.append(f"the kubelet's /pods has no pod {name}-{nodemod.NODE_NAME} of this run")
+    else:
+        parts.append("pod status from the kubelet's /pods:\n" + json.dumps(pod.get("status"), indent=1))
+        for c in pod["spec"]["containers"]:
+            with contextlib.suppress(OSError, KeyError):
+                parts.append(f"container log ({c['name']}):\n{node.container_log(pod, c['name'])}")
+    uid = pod["metadata"]["uid"] if pod else None
+    pats = [re.escape(name)] + ([re.escape(uid)] if uid else [])
+    lines = kubelet_lines(since, *pats)
+    lines = [ln for ln in lines if "Pod status updated" not in ln][-40:]
+    parts.append("kubelet log lines about it:\n" + "\n".join(lines))
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------- pods
+
+def container(node: Any, script: str, fuse: int | None = 1, **extra: Any) -> dict[str, Any]:
+    c: dict[str, Any] = {
+        "name": "c",
+        "image": node.images["WORKLOAD_IMAGE"],
+        "imagePullPolicy": "Never",
+        "command": ["/bin/sh", "-c", script],
+        **extra,
+    }
+    if fuse is not None:
+        c["resources"] = {"limits": {RESOURCE: str(fuse)}}
+    return c
+
+
+def pod_spec(*containers: dict[str, Any], volumes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    # No CNI on this node: the kubelet only starts hostNetwork pods.
+    spec: dict[str, Any] = {"hostNetwork": True, "restartPolicy": "Never",
+                            "terminationGracePeriodSeconds": 2, "containers": list(containers)}
+    if volumes:
+        spec["volumes"] = volumes
+    return spec
+
+
+class PodRun:
+    def __init__(self, node: Any, name: str, spec: dict[str, Any]) -> None:
+        self.node, self.name = node, name
+        self.since = nodemod.log_size(KUBELET_LOG)
+        self.run_id = node.add_pod(name, spec)
+        self.pod: dict[str, Any] | None = None
+
+    def wait_done(self, timeout: float = 90) -> dict[str, Any]:
+        def done() -> dict[str, Any] | None:
+            bad = kubelet_lines(self.since, r"Can't process manifest file .*/" + re.escape(self.name) + r"\.json")
+            if bad:
+                raise AssertionError(f"the kubelet refused the manifest of {self.name}:\n{bad[0]}")
+            p = self.node.find_pod(self.name, self.run_id)
+            self.pod = p
+            return p if p and p.get("status", {}).get("phase") in ("Succeeded", "Failed") else None
+
+        pod: dict[str, Any] = nodemod.wait_for(
+            done, timeout, f"pod {self.name} to finish (phase Succeeded or Failed)", interval=0.5,
+            detail=lambda: pod_report(self.node, self.pod, self.since, self.name))
+        self.pod = pod
+        return pod
+
+    @property
+    def phase(self) -> str:
+        return (self.pod or {}).get("status", {}).get("phase", "?")
+
+    def log(self) -> str:
+        assert self.pod is not None
+        return str(self.node.container_log(self.pod, "c"))
+
+    def report(self) -> str:
+        return pod_report(self.node, self.pod, self.since, self.name)
+
+    def expect(self, phase: str, timeout: float = 90) -> dict[str, Any]:
+        pod = self.wait_done(timeout)
+        assert self.phase == phase, (
+            f"expected pod {self.name} to end {phase}, the kubelet reports {self.phase}\n{self.report()}")
+        return pod
+
+    def remove(self) -> None:
+        self.node.remove_pod(self.name)
+
+
+@contextlib.contextmanager
+def pods(node: Any, **specs: dict[str, Any]) -> Iterator[dict[str, PodRun]]:
+    """Start several static pods at once (the kubelet runs them in parallel); remove them after."""
+    runs = {name: PodRun(node, name, spec) for name, spec in specs.items()}
+    try:
+        yield runs
+    finally:
+        for r in runs.values():
+            r.remove()
+
+
+# ---------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def kube_node() -> Iterator[Any]:
+    reason = _skip_reason()
+    if reason:
+        print(f"SKIPPED real-kubelet stage: {reason}", file=sys.stderr)
+        pytest.skip(reason)
+    nodemod.LOGDIR.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    setup_log = nodemod.LOGDIR / "setup.log"
+    with open(setup_log, "w") as out:
+        r = subprocess.run([str(KDIR / "setup.sh"), "all"], stdout=out, stderr=subprocess.STDOUT,
+                           timeout=SETUP_TIMEOUT, check=False)
+    assert r.returncode == 0, f"setup.sh failed ({r.returncode}):\n{nodemod.tail(setup_log, 60)}"
+    setup_s = time.monotonic() - t0
+    node = nodemod.Node()
+    assert node.kubelet_bin.is_file(), f"no kubelet binary at {node.kubelet_bin}"
+    assert node.plugin_bin.exists(), (
+        f"no fuse-device-plugin at {node.plugin_bin}: pip install -e '.[dev]' into the venv first")
+    EVIDENCE.write_text("")
+    version = subprocess.run([str(node.kubelet_bin), "--version"], capture_output=True, text=True,
+                             check=False).stdout.strip()
+    evidence("setup", [f"setup.sh took {setup_s:.0f}s; kubelet {node.kubelet_bin}: {version}",
+                       f"containerd: {subprocess.run(['containerd', '--version'], capture_output=True, text=True, check=False).stdout.strip()}",
+                       f"runc: {subprocess.run(['runc', '--version'], capture_output=True, text=True, check=False).stdout.splitlines()[0]}"])
+    try:
+        t1 = time.monotonic()
+        # Start the plugin first: a pod admitted while no plugin is registered fails for good.
+        node.up(slots=SLOTS)
+        wait_registered(node, 0, "node start")
+        evidence("setup", f"containerd + kubelet + plugin up in {time.monotonic() - t1:.1f}s")
+        yield node
+    finally:
+        node.down()
+
+
+def wait_registered(node: Any, since: int, when: str) -> list[str]:
+    """The kubelet's own log: registration accepted and the device list pushed."""
+    def seen() -> list[str] | None:
+        lines = kubelet_lines(since, r'Got registration request from device plugin with resource name "github.com/fuse"',
+                              r"State pushed for device plugin github.com/fuse")
+        regs = [ln for ln in lines if "Got registration request" in ln]
+        pushed = [ln for ln in lines if "State pushed" in ln]
+        return regs[-1:] + pushed[-1:] if regs and pushed else None
+
+    lines: list[str] = nodemod.wait_for(
+        seen, 45, f"the kubelet to log the registration of {RESOURCE} ({when})", interval=0.3,
+        detail=lambda: nodemod.tail(KUBELET_LOG, 30) + "\n" + nodemod.tail(nodemod.LOGDIR / "plugin.log", 20))
+    assert_registration_stable(lines[-1], when)
+    return lines
+
+
+STABLE_WINDOW = 3.0
+
+
+def assert_registration_stable(after_line: str, when: str) -> None:
+    """Once registered, the kubelet's endpoint must stay up: no 'listAndWatch ended
+    unexpectedly' (which marks every device unhealthy) in the following seconds."""
+    since = nodemod.log_size(KUBELET_LOG)
+    deadline = time.monotonic() + STABLE_WINDOW
+    while time.monotonic() < deadline:
+        churn = kubelet_lines(since, r"listAndWatch ended unexpectedly for device plugin github.com/fuse",
+                              r'Got registration request from device plugin with resource name "github.com/fuse"')
+        if churn:
+            churn = kubelet_lines(since, r"ended unexpectedly for device plugin github.com/fuse",
+                                  r"Got registration request .*github.com/fuse", r"Mark all resources Unhealthy")
+            plugin = nodemod.read_log(nodemod.LOGDIR / "plugin.log").splitlines()[-15:]
+            raise AssertionError(
+                f"expected the registration of {RESOURCE} ({when}) to stay up after\n  {after_line}\n"
+                f"but within {STABLE_WINDOW:.0f}s the kubelet logged {len(churn)} lines of endpoint churn "
+                f"(each marks all devices unhealthy):\n" + "\n".join(churn[:12])
+                + "\n--- last plugin log lines:\n" + "\n".join(plugin))
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def sshd(kube_node: Any) -> Iterator[dict[str, Any]]:
+    """An sshd on 127.0.0.1 (private port, test-made keys): the sshfs server. hostNetwork
+    pods reach it on the loopback."""
+    d = nodemod.STATE / "sshd"
+    shutil.rmtree(d, ignore_errors=True)
+    (d / "keys").mkdir(parents=True)
+    os.chmod(d, 0o700)
+    export = d / "export"
+    export.mkdir()
+    for key in ["hostkey", "keys/client"]:
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)], check=True)
+    shutil.copy(d / "keys/client.pub", d / "authorized_keys")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (d / "sshd_config").write_text(f"""Port {port}
+ListenAddress 127.0.0.1
+HostKey {d}/hostkey
+PidFile none
+AuthorizedKeysFile {d}/authorized_keys
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+Subsystem sftp internal-sftp
+LogLevel VERBOSE
+""")
+    Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation dir
+    kube_node.spawn("sshd", ["/usr/sbin/sshd", "-D", "-e", "-f", str(d / "sshd_config")])
+
+    def banner() -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as c:
+            return c.recv(64).startswith(b"SSH-2.0")
+
+    nodemod.wait_for(banner, 20, f"sshd on 127.0.0.1:{port}", detail=lambda: nodemod.tail(nodemod.LOGDIR / "sshd.log"))
+    yield {"dir": d, "export": export, "port": port, "log": nodemod.LOGDIR / "sshd.log"}
+    kube_node.stop("sshd")
+
+
+def plugin_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(nodemod.find_plugin()), *args], capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+@pytest.fixture(scope="module")
+def seccomp_profiles(kube_node: Any) -> Iterator[dict[str, str]]:
+    """Our sshfs seccomp profile, made by `fuse-device-plugin profile seccomp` and installed
+    under the kubelet's seccomp root by `fuse-device-plugin install-profiles`; plus, for the
+    negative control, the same profile without our additions (mount, umount2)."""
+    helps = [plugin_cli("profile", "seccomp", "--help"), plugin_cli("install-profiles", "--help")]
+    missing = [h for h in helps if h.returncode != 0]
+    if missing and os.environ.get("FDP_E2E_SECCOMP_PROTOTYPE") == "1":
+        yield from _prototype_profiles()
+        return
+    assert not missing, (
+        "expected the plugin's `profile seccomp` and `install-profiles` commands (issue 3); got:\n"
+        + "\n".join(h.stderr.strip() for h in missing))
+    src = nodemod.STATE / "profiles"
+    shutil.rmtree(src, ignore_errors=True)
+    src.mkdir(parents=True)
+    r = plugin_cli("profile", "seccomp", "--preset", "sshfs", "--output", str(src / "sshfs.json"))
+    assert r.returncode == 0, f"profile seccomp --preset sshfs failed: {r.stderr}"
+    prof = json.loads((src / "sshfs.json").read_text())
+    stripped = json.loads(json.dumps(prof))
+    for rule in stripped.get("syscalls", []):
+        rule["names"] = [n for n in rule["names"] if n not in ("mount", "umount2")]
+    stripped["syscalls"] = [r for r in stripped.get("syscalls", []) if r["names"]]
+    (src / "sshfs-without-mount.json").write_text(json.dumps(stripped, indent=1))
+    dest = nodemod.SECCOMP_ROOT / SECCOMP_SUBDIR
+    existed = dest.exists()
+    r = plugin_cli("install-profiles", "--source", str(src), "--seccomp-dir", str(dest), "--once")
+    if r.returncode != 0 and "--once" in r.stderr:
+        r = plugin_cli("install-profiles", "--source", str(src), "--seccomp-dir", str(dest))
+    assert r.returncode == 0, f"install-profiles failed ({r.returncode}): {r.stdout}{r.stderr}"
+    for f in ["sshfs.json", "sshfs-without-mount.json"]:
+        assert (dest / f).is_file(), f"install-profiles did not install {dest / f}; it said: {r.stdout}{r.stderr}"
+    evidence("3", f"installed by our installer: {sorted(p.name for p in dest.iterdir())} in {dest}")
+    yield {"sshfs": f"{SECCOMP_SUBDIR}/sshfs.json", "without_mount": f"{SECCOMP_SUBDIR}/sshfs-without-mount.json"}
+    if not existed:
+        shutil.rmtree(dest, ignore_errors=True)
+
+
+# A stop-gap for developing this stage before issue 3's commands exist (opt-in via
+# FDP_E2E_SECCOMP_PROTOTYPE=1; never used otherwise): a hand-made OCI profile, default
+# errno, an allow-list of common syscalls plus mount/umount2.
+_PROTO_ALLOW = """accept accept4 access alarm arch_prctl bind brk capget capset chdir chmod chown
+clock_getres clock_gettime clock_nanosleep clone clone3 close close_range connect copy_file_range creat
+dup dup2 dup3 epoll_create epoll_create1 epoll_ctl epoll_pwait epoll_wait eventfd eventfd2 execve
+execveat exit exit_group faccessat faccessat2 fadvise64 fallocate fchdir fchmod fchmodat fchown
+fchownat fcntl fdatasync fgetxattr flistxattr flock fork fstat fstatfs fsync ftruncate futex getcwd
+getdents getdents64 getegid geteuid getgid getgroups getitimer getpeername getpgid getpgrp getpid
+getppid getpriority getrandom getresgid getresuid getrlimit get_robust_list getrusage getsid
+getsockname getsockopt gettid gettimeofday getuid getxattr ioctl kill lchown lgetxattr link linkat
+listen listxattr llistxattr lseek lstat madvise memfd_create mkdir mkdirat mknod mknodat mmap mprotect
+mremap msync munmap nanosleep newfstatat open openat openat2 pause pipe pipe2 poll ppoll prctl
+pread64 preadv preadv2 prlimit64 pselect6 pwrite64 pwritev pwritev2 read readahead readlink
+readlinkat readv recvfrom recvmmsg recvmsg rename renameat renameat2 restart_syscall rmdir rseq
+rt_sigaction rt_sigpending rt_sigprocmask rt_sigqueueinfo rt_sigreturn rt_sigsuspend rt_sigtimedwait
+rt_tgsigqueueinfo sched_getaffinity sched_yield select sendfile sendmmsg sendmsg sendto setgid
+setgroups setitimer setpgid setpriority setregid setresgid setresuid setreuid setrlimit
+set_robust_list setsid setsockopt set_tid_address setuid shutdown sigaltstack socket socketpair
+splice stat statfs statx symlink symlinkat sync sync_file_range syncfs sysinfo tee tgkill time
+timer_create timer_delete timerfd_create timerfd_gettime timerfd_settime timer_getoverrun
+timer_gettime timer_settime times tkill truncate umask uname unlink unlinkat utime utimensat utimes
+vfork wait4 waitid write writev""".split()
+
+
+def _prototype_profiles() -> Iterator[dict[str, str]]:
+    dest = nodemod.SECCOMP_ROOT / "fdp-e2e-prototype"
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, extra in [("sshfs.json", ["mount", "umount2"]), ("sshfs-without-mount.json", [])]:
+        prof = {"defaultAction": "SCMP_ACT_ERRNO", "architectures": ["SCMP_ARCH_X86_64"],
+                "syscalls": [{"names": _PROTO_ALLOW + extra, "action": "SCMP_ACT_ALLOW"}]}
+        (dest / name).write_text(json.dumps(prof, indent=1))
+    evidence("3", f"PROTOTYPE seccomp profiles (FDP_E2E_SECCOMP_PROTOTYPE=1), not our generator: {dest}")
+    yield {"sshfs": "fdp-e2e-prototype/sshfs.json", "without_mount": "fdp-e2e-prototype/sshfs-without-mount.json"}
+    shutil.rmtree(dest, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- scenarios
+
+DEVICES_SCRIPT = r"""
+for f in $(find /dev -type c -o -type b); do stat -c 'DEV %n %t:%T' "$f"; done
+sed 's/^/CGROUP /' /sys/fs/cgroup/devices/devices.list
+if [ -c /dev/fuse ] && (exec 3<>/dev/fuse) 2>/dev/null; then echo OPEN_FUSE_OK; else echo OPEN_FUSE_FAILED; fi
+"""
+
+
+def test_1_node_advertises_slots(kube_node: Any) -> None:
+    """The node's capacity for github.com/fuse is our slot count; exactly that many are allocatable."""
+    with pods(kube_node, **{"all-slots": pod_spec(container(kube_node, "ls -l /dev/fuse", fuse=SLOTS))}) as runs:
+        run = runs["all-slots"]
+        run.expect("Succeeded")
+        cap = kubelet_lines(run.since, r"Update capacity for github.com/fuse to \d+")
+        assert cap, f"expected the kubelet to log 'Update capacity for {RESOURCE} to {SLOTS}'\n{run.report()}"
+        values = {int(ln.rsplit(" ", 1)[1]) for ln in cap}
+        assert values == {SLOTS}, f"expected capacity {SLOTS}, the kubelet logged:\n" + "\n".join(cap)
+        evidence("1", [cap[-1], f"pod requesting {RESOURCE}: {SLOTS} (all slots) -> {run.phase}"])
+
+
+def test_2_fuse_pod_sees_dev_fuse_and_nothing_else(kube_node: Any) -> None:
+    with pods(kube_node,
+              baseline=pod_spec(container(kube_node, DEVICES_SCRIPT, fuse=None)),
+              withfuse=pod_spec(container(kube_node, DEVICES_SCRIPT, fuse=1))) as runs:
+        base, fuse = runs["baseline"], runs["withfuse"]
+        base.expect("Succeeded")
+        fuse.expect("Succeeded")
+
+        def parse(text: str, tag: str) -> set[str]:
+            return {ln[len(tag) + 1:].strip() for ln in text.splitlines() if ln.startswith(tag + " ")}
+
+        blog, flog = base.log(), fuse.log()
+        added_devs = parse(flog, "DEV") - parse(blog, "DEV")
+        removed_devs = parse(blog, "DEV") - parse(flog, "DEV")
+        added_rules = parse(flog, "CGROUP") - parse(blog, "CGROUP")
+        assert added_devs == {"/dev/fuse a:e5"} and not removed_devs, (
+            f"expected the fuse pod to see exactly one added device node, /dev/fuse (10:229 = a:e5 hex); "
+            f"added {added_devs}, missing {removed_devs}\n{fuse.report()}")
+        assert added_rules == {"c 10:229 rw"}, (
+            f"expected exactly one added devices-cgroup rule 'c 10:229 rw'; got {added_rules}\n{fuse.report()}")
+        assert "OPEN_FUSE_OK" in flog, f"expected the fuse pod to open /dev/fuse rw\n{fuse.report()}"
+        assert "OPEN_FUSE_FAILED" in blog, f"expected the baseline pod not to open /dev/fuse\n{base.report()}"
+        alloc = [ln for ln in nodemod.read_log(nodemod.LOGDIR / "plugin.log").splitlines() if "llocat" in ln]
+        evidence("2", [f"fuse pod: added devices {sorted(added_devs)}, added cgroup rules {sorted(added_rules)}, "
+                       "/dev/fuse opened rw; baseline pod: no /dev/fuse",
+                       *kubelet_lines(fuse.since, r"ContainerStarted")[-1:], *alloc[-1:]])
+
+
+SSHFS_SCRIPT = r"""
+set -e
+grep -E '^(Seccomp|CapEff):' /proc/self/status
+mkdir -p /mnt/remote
+sshfs -o IdentityFile=/keys/client,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,port=$PORT \
+    root@127.0.0.1:$EXPORT /mnt/remote
+grep ' /mnt/remote ' /proc/mounts | sed 's/^/MOUNTED /'
+echo "$PAYLOAD" > /mnt/remote/$POD_NAME.txt
+umount /mnt/remote
+echo WROTE_AND_UNMOUNTED
+"""
+
+
+def sshfs_pod(node: Any, sshd: dict[str, Any], name: str, seccomp: dict[str, str] | None,
+              sys_admin: bool = True) -> tuple[dict[str, Any], str]:
+    payload = f"written by pod {name} {uuid.uuid4()}"
+    sc: dict[str, Any] = {}
+    if sys_admin:
+        sc["capabilities"] = {"add": ["SYS_ADMIN"]}
+    if seccomp:
+        sc["seccompProfile"] = seccomp
+    c = container(node, SSHFS_SCRIPT, fuse=1, securityContext=sc,
+                  env=[{"name": "PORT", "value": str(sshd["port"])},
+                       {"name": "EXPORT", "value": str(sshd["export"])},
+                       {"name": "PAYLOAD", "value": payload},
+                       {"name": "POD_NAME", "value": name}],
+                  volumeMounts=[{"name": "keys", "mountPath": "/keys", "readOnly": True}])
+    vols = [{"name": "keys", "hostPath": {"path": str(sshd["dir"] / "keys"), "type": "Directory"}}]
+    return pod_spec(c, volumes=vols), payload
+
+
+def test_3_sshfs_with_our_seccomp_profile(kube_node: Any, sshd: dict[str, Any],
+                                          seccomp_profiles: dict[str, str]) -> None:
+    spec, payload = sshfs_pod(kube_node, sshd, "sshfs-ours",
+                              {"type": "Localhost", "localhostProfile": seccomp_profiles["sshfs"]})
+    with pods(kube_node, **{"sshfs-ours": spec}) as runs:
+        run = runs["sshfs-ours"]
+        run.expect("Succeeded")
+        log = run.log()
+        assert "MOUNTED " in log and "fuse.sshfs" in log, f"expected a fuse.sshfs mount in the pod\n{run.report()}"
+        assert "Seccomp:\t2" in log, f"expected the container to run under a seccomp filter\n{run.report()}"
+        got = (sshd["export"] / "sshfs-ours.txt").read_text().strip()
+        assert got == payload, f"expected the server to receive {payload!r}, it has {got!r}"
+        sessions = [ln for ln in nodemod.read_log(sshd["log"]).splitlines() if "subsystem 'sftp'" in ln]
+        evidence("3", [ln for ln in log.splitlines() if ln.startswith(("MOUNTED", "Seccomp"))]
+                 + [f"server side {sshd['export']}/sshfs-ours.txt = {got!r}", *sessions[-1:],
+                    *kubelet_lines(run.since, r"sshfs-ours.*ContainerDied")[-1:]])
+
+
+def test_4_runtime_default_seccomp(kube_node: Any, sshd: dict[str, Any], seccomp_profiles: dict[str, str]) -> None:
+    """Negative controls for scenario 3, each reported by the kubelet.
+
+    Measured on this stack: containerd 1.6's RuntimeDefault profile is capability-aware —
+    with CAP_SYS_ADMIN granted it allows mount/umount2 (like Docker's default), so the pod of
+    scenario 3 with RuntimeDefault *does* mount.  The documented error
+    `fusermount3: mount failed: Operation not permitted` comes from (a) the runtime's default
+    allow-list without our additions (our profile minus mount/umount2, as a Localhost profile),
+    and (b) RuntimeDefault without CAP_SYS_ADMIN.  On AppArmor nodes the runtime's AppArmor
+    profile (`deny mount`) is what stops RuntimeDefault pods; this kernel has no AppArmor.
+    """
+    err = "fusermount3: mount failed: Operation not permitted"
+    specs = {
+        "rtdefault-sysadmin": sshfs_pod(kube_node, sshd, "rtdefault-sysadmin", {"type": "RuntimeDefault"}),
+        "allowlist-no-mount": sshfs_pod(kube_node, sshd, "allowlist-no-mount",
+                                        {"type": "Localhost", "localhostProfile": seccomp_profiles["without_mount"]}),
+        "rtdefault-nocap": sshfs_pod(kube_node, sshd, "rtdefault-nocap", {"type": "RuntimeDefault"}, sys_admin=False),
+    }
+    with pods(kube_node, **{k: v[0] for k, v in specs.items()}) as runs:
+        for name in ["allowlist-no-mount", "rtdefault-nocap"]:
+            run = runs[name]
+            run.expect("Failed")
+            assert err in run.log(), f"expected {err!r} in the container log of {name}\n{run.report()}"
+            assert not (sshd["export"] / f"{name}.txt").exists(), f"{name} must not have written to the server"
+            term = run.pod["status"]["containerStatuses"][0]["state"]["terminated"]  # type: ignore[index]
+            evidence("4", f"{name}: kubelet reports {run.phase} exitCode={term['exitCode']}; container log: {err}")
+        run = runs["rtdefault-sysadmin"]
+        run.expect("Succeeded")
+        got = (sshd["export"] / "rtdefault-sysadmin.txt").read_text().strip()
+        assert got == specs["rtdefault-sysadmin"][1]
+        evidence("4", "rtdefault-sysadmin: RuntimeDefault + CAP_SYS_ADMIN mounts sshfs on containerd 1.6 "
+                      f"(its default seccomp allows mount for CAP_SYS_ADMIN): kubelet reports {run.phase}")
+
+
+def test_5_more_than_capacity_is_refused(kube_node: Any) -> None:
+    want = SLOTS + 1
+    with pods(kube_node, toomany=pod_spec(container(kube_node, "echo STARTED", fuse=want))) as runs:
+        run = runs["toomany"]
+        pod = run.expect("Failed")
+        st = pod["status"]
+        msg = st.get("message", "")
+        assert st.get("reason") == "UnexpectedAdmissionError", (
+            f"expected reason UnexpectedAdmissionError\n{run.report()}")
+        assert f"Requested: {want}, Available: {SLOTS}" in msg and RESOURCE in msg, (
+            f"expected 'Requested: {want}, Available: {SLOTS}' for {RESOURCE} in the message\n{run.report()}")
+        assert not st.get("containerStatuses"), f"expected no container started\n{run.report()}"
+        uid = pod["metadata"]["uid"]
+        started = kubelet_lines(run.since, re.escape(uid) + r".*(ContainerStarted|Need to start a new one)")
+        assert not started, "expected the kubelet not to start a sandbox:\n" + "\n".join(started)
+        evidence("5", f"toomany ({RESOURCE}: {want}): reason={st['reason']} message={msg!r}")
+
+
+def test_6_kubelet_restart_plugin_reregisters(kube_node: Any) -> None:
+    plugin_pid = kube_node.pid("plugin")
+    assert plugin_pid, "the plugin is not running before the kubelet restart"
+    sock = nodemod.DEVICE_PLUGIN_DIR / "kubelet.sock"
+    before = sock.stat()
+    since = nodemod.log_size(KUBELET_LOG)
+    kube_node.restart_kubelet()
+    after = sock.stat()
+    lines = wait_registered(kube_node, since, "after the kubelet restart")
+    assert kube_node.pid("plugin") == plugin_pid, "the plugin process changed across the kubelet restart"
+    with pods(kube_node, afterrestart=pod_spec(container(kube_node, "ls -l /dev/fuse", fuse=1))) as runs:
+        run = runs["afterrestart"]
+        run.expect("Succeeded")
+        assert "/dev/fuse" in run.log(), f"expected /dev/fuse in the pod\n{run.report()}"
+        cap = kubelet_lines(run.since, r"Update capacity for github.com/fuse to \d+")
+        assert cap and cap[-1].endswith(f" {SLOTS}"), (
+            f"expected capacity {SLOTS} after the restart, the kubelet logged: {cap}")
+        evidence("6", [f"kubelet restarted (kubelet.sock inode {before.st_ino} -> {after.st_ino}, "
+                       f"ctime {before.st_ctime:.3f} -> {after.st_ctime:.3f}); plugin pid {plugin_pid} unchanged",
+                       *lines, cap[-1], f"new fuse pod after restart -> {run.phase}"])
+
+
+def test_7_plugin_sigkill_and_restart(kube_node: Any) -> None:
+    sock = nodemod.DEVICE_PLUGIN_DIR / "github.com_fuse.sock"
+    since = nodemod.log_size(KUBELET_LOG)
+    kube_node.stop("plugin", sig=signal.SIGKILL)
+    # The kubelet sees the plugin gone.
+    gone = nodemod.wait_for(lambda: kubelet_lines(since, r"listAndWatch ended unexpectedly for device plugin github.com/fuse"),
+                            30, "the kubelet to notice the killed plugin", detail=lambda: nodemod.tail(KUBELET_LOG))
+    stale = sock.exists()
+    refused = False
+    if stale:
+        with socket.socket(socket.AF_UNIX) as s:
+            try:
+                s.connect(str(sock))
+            except ConnectionRefusedError:
+                refused = True
+    assert stale and refused, f"expected a stale socket left by SIGKILL at {sock} (exists={stale}, refused={refused})"
+    since = nodemod.log_size(KUBELET_LOG)
+    kube_node.start_plugin(SLOTS)
+    lines = wait_registered(kube_node, since, "after the plugin restart")
+
+    def serving() -> bool:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(sock))
+            return True
+
+    nodemod.wait_for(serving, 10, f"the restarted plugin to accept on {sock}")
+    with pods(kube_node, afterkill=pod_spec(container(kube_node, "ls -l /dev/fuse", fuse=1))) as runs:
+        run = runs["afterkill"]
+        run.expect("Succeeded")
+        evidence("7", [gone[0], f"stale socket {sock} left by SIGKILL refused connections; plugin restarted",
+                       *lines, f"new fuse pod after the plugin restart -> {run.phase}"])
