@@ -48,7 +48,8 @@ SETUP_TIMEOUT = 1500  # a cold kubelet build is ~5 min on 2 cores; apt may wait 
 
 def _load_node_module() -> Any:
     spec = importlib.util.spec_from_file_location("fdp_e2e_node", KDIR / "node.py")
-    assert spec and spec.loader
+    assert spec is not None
+    assert spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules["fdp_e2e_node"] = mod
     spec.loader.exec_module(mod)
@@ -58,6 +59,11 @@ def _load_node_module() -> Any:
 nodemod = _load_node_module()
 KUBELET_LOG = nodemod.LOGDIR / "kubelet.log"
 EVIDENCE = nodemod.LOGDIR / "evidence.txt"
+
+
+def command_output(*argv: str) -> str:
+    out = subprocess.run(argv, capture_output=True, text=True, check=False).stdout
+    return out.splitlines()[0] if out else "?"
 
 
 def _skip_reason() -> str | None:
@@ -73,6 +79,7 @@ def _skip_reason() -> str | None:
 
 
 # ---------------------------------------------------------------- evidence / reporting
+
 
 def evidence(scenario: str, lines: list[str] | str) -> None:
     if isinstance(lines, str):
@@ -94,7 +101,9 @@ def pod_report(node: Any, pod: dict[str, Any] | None, since: int, name: str) -> 
     if pod is None:
         parts.append(f"the kubelet's /pods has no pod {name}-{nodemod.NODE_NAME} of this run")
     else:
-        parts.append("pod status from the kubelet's /pods:\n" + json.dumps(pod.get("status"), indent=1))
+        parts.append(
+            "pod status from the kubelet's /pods:\n" + json.dumps(pod.get("status"), indent=1)
+        )
         for c in pod["spec"]["containers"]:
             with contextlib.suppress(OSError, KeyError):
                 parts.append(f"container log ({c['name']}):\n{node.container_log(pod, c['name'])}")
@@ -107,6 +116,7 @@ def pod_report(node: Any, pod: dict[str, Any] | None, since: int, name: str) -> 
 
 
 # ---------------------------------------------------------------- pods
+
 
 def container(node: Any, script: str, fuse: int | None = 1, **extra: Any) -> dict[str, Any]:
     c: dict[str, Any] = {
@@ -121,10 +131,16 @@ def container(node: Any, script: str, fuse: int | None = 1, **extra: Any) -> dic
     return c
 
 
-def pod_spec(*containers: dict[str, Any], volumes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def pod_spec(
+    *containers: dict[str, Any], volumes: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     # No CNI on this node: the kubelet only starts hostNetwork pods.
-    spec: dict[str, Any] = {"hostNetwork": True, "restartPolicy": "Never",
-                            "terminationGracePeriodSeconds": 2, "containers": list(containers)}
+    spec: dict[str, Any] = {
+        "hostNetwork": True,
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": 2,
+        "containers": list(containers),
+    }
     if volumes:
         spec["volumes"] = volumes
     return spec
@@ -139,7 +155,9 @@ class PodRun:
 
     def wait_done(self, timeout: float = 90) -> dict[str, Any]:
         def done() -> dict[str, Any] | None:
-            bad = kubelet_lines(self.since, r"Can't process manifest file .*/" + re.escape(self.name) + r"\.json")
+            bad = kubelet_lines(
+                self.since, r"Can't process manifest file .*/" + re.escape(self.name) + r"\.json"
+            )
             if bad:
                 raise AssertionError(f"the kubelet refused the manifest of {self.name}:\n{bad[0]}")
             p = self.node.find_pod(self.name, self.run_id)
@@ -147,14 +165,18 @@ class PodRun:
             return p if p and p.get("status", {}).get("phase") in ("Succeeded", "Failed") else None
 
         pod: dict[str, Any] = nodemod.wait_for(
-            done, timeout, f"pod {self.name} to finish (phase Succeeded or Failed)", interval=0.5,
-            detail=lambda: pod_report(self.node, self.pod, self.since, self.name))
+            done,
+            timeout,
+            f"pod {self.name} to finish (phase Succeeded or Failed)",
+            interval=0.5,
+            detail=lambda: pod_report(self.node, self.pod, self.since, self.name),
+        )
         self.pod = pod
         return pod
 
     @property
     def phase(self) -> str:
-        return (self.pod or {}).get("status", {}).get("phase", "?")
+        return str((self.pod or {}).get("status", {}).get("phase", "?"))
 
     def log(self) -> str:
         assert self.pod is not None
@@ -166,7 +188,9 @@ class PodRun:
     def expect(self, phase: str, timeout: float = 90) -> dict[str, Any]:
         pod = self.wait_done(timeout)
         assert self.phase == phase, (
-            f"expected pod {self.name} to end {phase}, the kubelet reports {self.phase}\n{self.report()}")
+            f"expected pod {self.name} to end {phase}, the kubelet reports {self.phase}\n"
+            + self.report()
+        )
         return pod
 
     def remove(self) -> None:
@@ -186,6 +210,7 @@ def pods(node: Any, **specs: dict[str, Any]) -> Iterator[dict[str, PodRun]]:
 
 # ---------------------------------------------------------------- fixtures
 
+
 @pytest.fixture(scope="module")
 def kube_node() -> Iterator[Any]:
     reason = _skip_reason()
@@ -196,20 +221,32 @@ def kube_node() -> Iterator[Any]:
     t0 = time.monotonic()
     setup_log = nodemod.LOGDIR / "setup.log"
     with open(setup_log, "w") as out:
-        r = subprocess.run([str(KDIR / "setup.sh"), "all"], stdout=out, stderr=subprocess.STDOUT,
-                           timeout=SETUP_TIMEOUT, check=False)
+        r = subprocess.run(
+            [str(KDIR / "setup.sh"), "all"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=SETUP_TIMEOUT,
+            check=False,
+        )
     assert r.returncode == 0, f"setup.sh failed ({r.returncode}):\n{nodemod.tail(setup_log, 60)}"
     setup_s = time.monotonic() - t0
     node = nodemod.Node()
     assert node.kubelet_bin.is_file(), f"no kubelet binary at {node.kubelet_bin}"
     assert node.plugin_bin.exists(), (
-        f"no fuse-device-plugin at {node.plugin_bin}: pip install -e '.[dev]' into the venv first")
+        f"no fuse-device-plugin at {node.plugin_bin}: pip install -e '.[dev]' into the venv first"
+    )
     EVIDENCE.write_text("")
-    version = subprocess.run([str(node.kubelet_bin), "--version"], capture_output=True, text=True,
-                             check=False).stdout.strip()
-    evidence("setup", [f"setup.sh took {setup_s:.0f}s; kubelet {node.kubelet_bin}: {version}",
-                       f"containerd: {subprocess.run(['containerd', '--version'], capture_output=True, text=True, check=False).stdout.strip()}",
-                       f"runc: {subprocess.run(['runc', '--version'], capture_output=True, text=True, check=False).stdout.splitlines()[0]}"])
+    version = subprocess.run(
+        [str(node.kubelet_bin), "--version"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    evidence(
+        "setup",
+        [
+            f"setup.sh took {setup_s:.0f}s; kubelet {node.kubelet_bin}: {version}",
+            "containerd: " + command_output("containerd", "--version"),
+            "runc: " + command_output("runc", "--version"),
+        ],
+    )
     try:
         t1 = time.monotonic()
         # Start the plugin first: a pod admitted while no plugin is registered fails for good.
@@ -223,16 +260,26 @@ def kube_node() -> Iterator[Any]:
 
 def wait_registered(node: Any, since: int, when: str) -> list[str]:
     """The kubelet's own log: registration accepted and the device list pushed."""
+
     def seen() -> list[str] | None:
-        lines = kubelet_lines(since, r'Got registration request from device plugin with resource name "github.com/fuse"',
-                              r"State pushed for device plugin github.com/fuse")
+        lines = kubelet_lines(
+            since,
+            r'Got registration request from device plugin with resource name "github.com/fuse"',
+            r"State pushed for device plugin github.com/fuse",
+        )
         regs = [ln for ln in lines if "Got registration request" in ln]
         pushed = [ln for ln in lines if "State pushed" in ln]
         return regs[-1:] + pushed[-1:] if regs and pushed else None
 
     lines: list[str] = nodemod.wait_for(
-        seen, 45, f"the kubelet to log the registration of {RESOURCE} ({when})", interval=0.3,
-        detail=lambda: nodemod.tail(KUBELET_LOG, 30) + "\n" + nodemod.tail(nodemod.LOGDIR / "plugin.log", 20))
+        seen,
+        45,
+        f"the kubelet to log the registration of {RESOURCE} ({when})",
+        interval=0.3,
+        detail=lambda: (
+            nodemod.tail(KUBELET_LOG, 30) + "\n" + nodemod.tail(nodemod.LOGDIR / "plugin.log", 20)
+        ),
+    )
     assert_registration_stable(lines[-1], when)
     return lines
 
@@ -246,17 +293,28 @@ def assert_registration_stable(after_line: str, when: str) -> None:
     since = nodemod.log_size(KUBELET_LOG)
     deadline = time.monotonic() + STABLE_WINDOW
     while time.monotonic() < deadline:
-        churn = kubelet_lines(since, r"listAndWatch ended unexpectedly for device plugin github.com/fuse",
-                              r'Got registration request from device plugin with resource name "github.com/fuse"')
+        churn = kubelet_lines(
+            since,
+            r"listAndWatch ended unexpectedly for device plugin github.com/fuse",
+            r'Got registration request from device plugin with resource name "github.com/fuse"',
+        )
         if churn:
-            churn = kubelet_lines(since, r"ended unexpectedly for device plugin github.com/fuse",
-                                  r"Got registration request .*github.com/fuse", r"Mark all resources Unhealthy")
+            churn = kubelet_lines(
+                since,
+                r"ended unexpectedly for device plugin github.com/fuse",
+                r"Got registration request .*github.com/fuse",
+                r"Mark all resources Unhealthy",
+            )
             plugin = nodemod.read_log(nodemod.LOGDIR / "plugin.log").splitlines()[-15:]
             raise AssertionError(
-                f"expected the registration of {RESOURCE} ({when}) to stay up after\n  {after_line}\n"
-                f"but within {STABLE_WINDOW:.0f}s the kubelet logged {len(churn)} lines of endpoint churn "
-                f"(each marks all devices unhealthy):\n" + "\n".join(churn[:12])
-                + "\n--- last plugin log lines:\n" + "\n".join(plugin))
+                f"expected the registration of {RESOURCE} ({when}) to stay up after\n"
+                f"  {after_line}\nbut within {STABLE_WINDOW:.0f}s the kubelet logged "
+                f"{len(churn)} lines of endpoint churn "
+                f"(each marks all devices unhealthy):\n"
+                + "\n".join(churn[:12])
+                + "\n--- last plugin log lines:\n"
+                + "\n".join(plugin)
+            )
         time.sleep(0.2)
 
 
@@ -271,7 +329,9 @@ def sshd(kube_node: Any) -> Iterator[dict[str, Any]]:
     export = d / "export"
     export.mkdir()
     for key in ["hostkey", "keys/client"]:
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)], check=True)
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)], check=True
+        )
     shutil.copy(d / "keys/client.pub", d / "authorized_keys")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -296,14 +356,20 @@ LogLevel VERBOSE
         with socket.create_connection(("127.0.0.1", port), timeout=2) as c:
             return c.recv(64).startswith(b"SSH-2.0")
 
-    nodemod.wait_for(banner, 20, f"sshd on 127.0.0.1:{port}", detail=lambda: nodemod.tail(nodemod.LOGDIR / "sshd.log"))
+    nodemod.wait_for(
+        banner,
+        20,
+        f"sshd on 127.0.0.1:{port}",
+        detail=lambda: nodemod.tail(nodemod.LOGDIR / "sshd.log"),
+    )
     yield {"dir": d, "export": export, "port": port, "log": nodemod.LOGDIR / "sshd.log"}
     kube_node.stop("sshd")
 
 
 def plugin_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(nodemod.find_plugin()), *args], capture_output=True, text=True,
-                          timeout=60, check=False)
+    return subprocess.run(
+        [str(nodemod.find_plugin()), *args], capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -318,7 +384,8 @@ def seccomp_profiles(kube_node: Any) -> Iterator[dict[str, str]]:
         return
     assert not missing, (
         "expected the plugin's `profile seccomp` and `install-profiles` commands (issue 3); got:\n"
-        + "\n".join(h.stderr.strip() for h in missing))
+        + "\n".join(h.stderr.strip() for h in missing)
+    )
     src = nodemod.STATE / "profiles"
     shutil.rmtree(src, ignore_errors=True)
     src.mkdir(parents=True)
@@ -332,14 +399,46 @@ def seccomp_profiles(kube_node: Any) -> Iterator[dict[str, str]]:
     (src / "sshfs-without-mount.json").write_text(json.dumps(stripped, indent=1))
     dest = nodemod.SECCOMP_ROOT / SECCOMP_SUBDIR
     existed = dest.exists()
-    r = plugin_cli("install-profiles", "--source", str(src), "--seccomp-dir", str(dest), "--once")
-    if r.returncode != 0 and "--once" in r.stderr:
-        r = plugin_cli("install-profiles", "--source", str(src), "--seccomp-dir", str(dest))
-    assert r.returncode == 0, f"install-profiles failed ({r.returncode}): {r.stdout}{r.stderr}"
-    for f in ["sshfs.json", "sshfs-without-mount.json"]:
-        assert (dest / f).is_file(), f"install-profiles did not install {dest / f}; it said: {r.stdout}{r.stderr}"
+    argv = [
+        str(nodemod.find_plugin()),
+        "install-profiles",
+        "--source",
+        str(src),
+        "--seccomp-dir",
+        str(dest),
+    ]
+    if "--once" in helps[1].stdout:
+        r = subprocess.run(
+            [*argv, "--once"], capture_output=True, text=True, timeout=60, check=False
+        )
+        said = r.stdout + r.stderr
+        assert r.returncode == 0, f"install-profiles --once failed ({r.returncode}): {said}"
+    else:
+        # The installer keeps watching DIR (a ConfigMap on a real node): run it as a recorded
+        # process, wait until it has installed the profiles, then stop it by its PID.
+        kube_node.spawn("installer", argv)
+        said = ""
+
+    def installed() -> bool:
+        return all(
+            (dest / f).is_file()
+            and json.loads((dest / f).read_text()) == json.loads((src / f).read_text())
+            for f in ["sshfs.json", "sshfs-without-mount.json"]
+        )
+
+    nodemod.wait_for(
+        installed,
+        30,
+        f"install-profiles to install sshfs.json and sshfs-without-mount.json in {dest}",
+        detail=lambda: said + nodemod.tail(nodemod.LOGDIR / "installer.log"),
+    )
+    if kube_node.alive("installer"):
+        kube_node.stop("installer")
     evidence("3", f"installed by our installer: {sorted(p.name for p in dest.iterdir())} in {dest}")
-    yield {"sshfs": f"{SECCOMP_SUBDIR}/sshfs.json", "without_mount": f"{SECCOMP_SUBDIR}/sshfs-without-mount.json"}
+    yield {
+        "sshfs": f"{SECCOMP_SUBDIR}/sshfs.json",
+        "without_mount": f"{SECCOMP_SUBDIR}/sshfs-without-mount.json",
+    }
     if not existed:
         shutil.rmtree(dest, ignore_errors=True)
 
@@ -347,37 +446,47 @@ def seccomp_profiles(kube_node: Any) -> Iterator[dict[str, str]]:
 # A stop-gap for developing this stage before issue 3's commands exist (opt-in via
 # FDP_E2E_SECCOMP_PROTOTYPE=1; never used otherwise): a hand-made OCI profile, default
 # errno, an allow-list of common syscalls plus mount/umount2.
-_PROTO_ALLOW = """accept accept4 access alarm arch_prctl bind brk capget capset chdir chmod chown
-clock_getres clock_gettime clock_nanosleep clone clone3 close close_range connect copy_file_range creat
-dup dup2 dup3 epoll_create epoll_create1 epoll_ctl epoll_pwait epoll_wait eventfd eventfd2 execve
+_PROTO_ALLOW = """
+accept accept4 access alarm arch_prctl bind brk capget capset chdir chmod chown clock_getres
+clock_gettime clock_nanosleep clone clone3 close close_range connect copy_file_range creat dup
+dup2 dup3 epoll_create epoll_create1 epoll_ctl epoll_pwait epoll_wait eventfd eventfd2 execve
 execveat exit exit_group faccessat faccessat2 fadvise64 fallocate fchdir fchmod fchmodat fchown
-fchownat fcntl fdatasync fgetxattr flistxattr flock fork fstat fstatfs fsync ftruncate futex getcwd
-getdents getdents64 getegid geteuid getgid getgroups getitimer getpeername getpgid getpgrp getpid
-getppid getpriority getrandom getresgid getresuid getrlimit get_robust_list getrusage getsid
-getsockname getsockopt gettid gettimeofday getuid getxattr ioctl kill lchown lgetxattr link linkat
-listen listxattr llistxattr lseek lstat madvise memfd_create mkdir mkdirat mknod mknodat mmap mprotect
-mremap msync munmap nanosleep newfstatat open openat openat2 pause pipe pipe2 poll ppoll prctl
-pread64 preadv preadv2 prlimit64 pselect6 pwrite64 pwritev pwritev2 read readahead readlink
-readlinkat readv recvfrom recvmmsg recvmsg rename renameat renameat2 restart_syscall rmdir rseq
-rt_sigaction rt_sigpending rt_sigprocmask rt_sigqueueinfo rt_sigreturn rt_sigsuspend rt_sigtimedwait
-rt_tgsigqueueinfo sched_getaffinity sched_yield select sendfile sendmmsg sendmsg sendto setgid
-setgroups setitimer setpgid setpriority setregid setresgid setresuid setreuid setrlimit
-set_robust_list setsid setsockopt set_tid_address setuid shutdown sigaltstack socket socketpair
-splice stat statfs statx symlink symlinkat sync sync_file_range syncfs sysinfo tee tgkill time
-timer_create timer_delete timerfd_create timerfd_gettime timerfd_settime timer_getoverrun
-timer_gettime timer_settime times tkill truncate umask uname unlink unlinkat utime utimensat utimes
-vfork wait4 waitid write writev""".split()
+fchownat fcntl fdatasync fgetxattr flistxattr flock fork fstat fstatfs fsync ftruncate futex
+getcwd getdents getdents64 getegid geteuid getgid getgroups getitimer getpeername getpgid
+getpgrp getpid getppid getpriority getrandom getresgid getresuid getrlimit get_robust_list
+getrusage getsid getsockname getsockopt gettid gettimeofday getuid getxattr ioctl kill lchown
+lgetxattr link linkat listen listxattr llistxattr lseek lstat madvise memfd_create mkdir mkdirat
+mknod mknodat mmap mprotect mremap msync munmap nanosleep newfstatat open openat openat2 pause
+pipe pipe2 poll ppoll prctl pread64 preadv preadv2 prlimit64 pselect6 pwrite64 pwritev pwritev2
+read readahead readlink readlinkat readv recvfrom recvmmsg recvmsg rename renameat renameat2
+restart_syscall rmdir rseq rt_sigaction rt_sigpending rt_sigprocmask rt_sigqueueinfo
+rt_sigreturn rt_sigsuspend rt_sigtimedwait rt_tgsigqueueinfo sched_getaffinity sched_yield
+select sendfile sendmmsg sendmsg sendto setgid setgroups setitimer setpgid setpriority setregid
+setresgid setresuid setreuid setrlimit set_robust_list setsid setsockopt set_tid_address setuid
+shutdown sigaltstack socket socketpair splice stat statfs statx symlink symlinkat sync
+sync_file_range syncfs sysinfo tee tgkill time timer_create timer_delete timerfd_create
+timerfd_gettime timerfd_settime timer_getoverrun timer_gettime timer_settime times tkill
+truncate umask uname unlink unlinkat utime utimensat utimes vfork wait4 waitid write writev
+""".split()  # noqa: SIM905
 
 
 def _prototype_profiles() -> Iterator[dict[str, str]]:
     dest = nodemod.SECCOMP_ROOT / "fdp-e2e-prototype"
     dest.mkdir(parents=True, exist_ok=True)
     for name, extra in [("sshfs.json", ["mount", "umount2"]), ("sshfs-without-mount.json", [])]:
-        prof = {"defaultAction": "SCMP_ACT_ERRNO", "architectures": ["SCMP_ARCH_X86_64"],
-                "syscalls": [{"names": _PROTO_ALLOW + extra, "action": "SCMP_ACT_ALLOW"}]}
+        prof = {
+            "defaultAction": "SCMP_ACT_ERRNO",
+            "architectures": ["SCMP_ARCH_X86_64"],
+            "syscalls": [{"names": _PROTO_ALLOW + extra, "action": "SCMP_ACT_ALLOW"}],
+        }
         (dest / name).write_text(json.dumps(prof, indent=1))
-    evidence("3", f"PROTOTYPE seccomp profiles (FDP_E2E_SECCOMP_PROTOTYPE=1), not our generator: {dest}")
-    yield {"sshfs": "fdp-e2e-prototype/sshfs.json", "without_mount": "fdp-e2e-prototype/sshfs-without-mount.json"}
+    evidence(
+        "3", f"PROTOTYPE seccomp profiles (FDP_E2E_SECCOMP_PROTOTYPE=1), not our generator: {dest}"
+    )
+    yield {
+        "sshfs": "fdp-e2e-prototype/sshfs.json",
+        "without_mount": "fdp-e2e-prototype/sshfs-without-mount.json",
+    }
     shutil.rmtree(dest, ignore_errors=True)
 
 
@@ -386,55 +495,90 @@ def _prototype_profiles() -> Iterator[dict[str, str]]:
 DEVICES_SCRIPT = r"""
 for f in $(find /dev -type c -o -type b); do stat -c 'DEV %n %t:%T' "$f"; done
 sed 's/^/CGROUP /' /sys/fs/cgroup/devices/devices.list
-if [ -c /dev/fuse ] && (exec 3<>/dev/fuse) 2>/dev/null; then echo OPEN_FUSE_OK; else echo OPEN_FUSE_FAILED; fi
+if [ -c /dev/fuse ] && (exec 3<>/dev/fuse) 2>/dev/null
+then echo OPEN_FUSE_OK
+else echo OPEN_FUSE_FAILED
+fi
 """
 
 
 def test_1_node_advertises_slots(kube_node: Any) -> None:
-    """The node's capacity for github.com/fuse is our slot count; exactly that many are allocatable."""
-    with pods(kube_node, **{"all-slots": pod_spec(container(kube_node, "ls -l /dev/fuse", fuse=SLOTS))}) as runs:
+    """The node's capacity for github.com/fuse is our slot count; all of it is allocatable."""
+    with pods(
+        kube_node, **{"all-slots": pod_spec(container(kube_node, "ls -l /dev/fuse", fuse=SLOTS))}
+    ) as runs:
         run = runs["all-slots"]
         run.expect("Succeeded")
         cap = kubelet_lines(run.since, r"Update capacity for github.com/fuse to \d+")
-        assert cap, f"expected the kubelet to log 'Update capacity for {RESOURCE} to {SLOTS}'\n{run.report()}"
+        assert cap, (
+            f"expected the kubelet to log 'Update capacity for {RESOURCE} to {SLOTS}'\n"
+            + run.report()
+        )
         values = {int(ln.rsplit(" ", 1)[1]) for ln in cap}
-        assert values == {SLOTS}, f"expected capacity {SLOTS}, the kubelet logged:\n" + "\n".join(cap)
+        assert values == {SLOTS}, f"expected capacity {SLOTS}, the kubelet logged:\n" + "\n".join(
+            cap
+        )
         evidence("1", [cap[-1], f"pod requesting {RESOURCE}: {SLOTS} (all slots) -> {run.phase}"])
 
 
 def test_2_fuse_pod_sees_dev_fuse_and_nothing_else(kube_node: Any) -> None:
-    with pods(kube_node,
-              baseline=pod_spec(container(kube_node, DEVICES_SCRIPT, fuse=None)),
-              withfuse=pod_spec(container(kube_node, DEVICES_SCRIPT, fuse=1))) as runs:
+    with pods(
+        kube_node,
+        baseline=pod_spec(container(kube_node, DEVICES_SCRIPT, fuse=None)),
+        withfuse=pod_spec(container(kube_node, DEVICES_SCRIPT, fuse=1)),
+    ) as runs:
         base, fuse = runs["baseline"], runs["withfuse"]
         base.expect("Succeeded")
         fuse.expect("Succeeded")
 
         def parse(text: str, tag: str) -> set[str]:
-            return {ln[len(tag) + 1:].strip() for ln in text.splitlines() if ln.startswith(tag + " ")}
+            return {
+                ln[len(tag) + 1 :].strip() for ln in text.splitlines() if ln.startswith(tag + " ")
+            }
 
         blog, flog = base.log(), fuse.log()
         added_devs = parse(flog, "DEV") - parse(blog, "DEV")
         removed_devs = parse(blog, "DEV") - parse(flog, "DEV")
         added_rules = parse(flog, "CGROUP") - parse(blog, "CGROUP")
-        assert added_devs == {"/dev/fuse a:e5"} and not removed_devs, (
-            f"expected the fuse pod to see exactly one added device node, /dev/fuse (10:229 = a:e5 hex); "
-            f"added {added_devs}, missing {removed_devs}\n{fuse.report()}")
+        assert not removed_devs, f"the fuse pod lacks devices the baseline pod has: {removed_devs}"
+        assert added_devs == {"/dev/fuse a:e5"}, (
+            "expected the fuse pod to see exactly one added device node, "
+            "/dev/fuse (10:229 = a:e5 hex); "
+            f"added {added_devs}, missing {removed_devs}\n{fuse.report()}"
+        )
         assert added_rules == {"c 10:229 rw"}, (
-            f"expected exactly one added devices-cgroup rule 'c 10:229 rw'; got {added_rules}\n{fuse.report()}")
-        assert "OPEN_FUSE_OK" in flog, f"expected the fuse pod to open /dev/fuse rw\n{fuse.report()}"
-        assert "OPEN_FUSE_FAILED" in blog, f"expected the baseline pod not to open /dev/fuse\n{base.report()}"
-        alloc = [ln for ln in nodemod.read_log(nodemod.LOGDIR / "plugin.log").splitlines() if "llocat" in ln]
-        evidence("2", [f"fuse pod: added devices {sorted(added_devs)}, added cgroup rules {sorted(added_rules)}, "
-                       "/dev/fuse opened rw; baseline pod: no /dev/fuse",
-                       *kubelet_lines(fuse.since, r"ContainerStarted")[-1:], *alloc[-1:]])
+            f"expected exactly one added devices-cgroup rule 'c 10:229 rw'; got {added_rules}\n"
+            + fuse.report()
+        )
+        assert "OPEN_FUSE_OK" in flog, (
+            f"expected the fuse pod to open /dev/fuse rw\n{fuse.report()}"
+        )
+        assert "OPEN_FUSE_FAILED" in blog, (
+            f"expected the baseline pod not to open /dev/fuse\n{base.report()}"
+        )
+        alloc = [
+            ln
+            for ln in nodemod.read_log(nodemod.LOGDIR / "plugin.log").splitlines()
+            if "llocat" in ln
+        ]
+        evidence(
+            "2",
+            [
+                f"fuse pod: added devices {sorted(added_devs)}, "
+                f"added cgroup rules {sorted(added_rules)}, "
+                "/dev/fuse opened rw; baseline pod: no /dev/fuse",
+                *kubelet_lines(fuse.since, r"ContainerStarted")[-1:],
+                *alloc[-1:],
+            ],
+        )
 
 
 SSHFS_SCRIPT = r"""
 set -e
 grep -E '^(Seccomp|CapEff):' /proc/self/status
 mkdir -p /mnt/remote
-sshfs -o IdentityFile=/keys/client,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,port=$PORT \
+sshfs -o IdentityFile=/keys/client,StrictHostKeyChecking=no \
+    -o UserKnownHostsFile=/dev/null,port=$PORT \
     root@127.0.0.1:$EXPORT /mnt/remote
 grep ' /mnt/remote ' /proc/mounts | sed 's/^/MOUNTED /'
 echo "$PAYLOAD" > /mnt/remote/$POD_NAME.txt
@@ -443,43 +587,73 @@ echo WROTE_AND_UNMOUNTED
 """
 
 
-def sshfs_pod(node: Any, sshd: dict[str, Any], name: str, seccomp: dict[str, str] | None,
-              sys_admin: bool = True) -> tuple[dict[str, Any], str]:
+def sshfs_pod(
+    node: Any,
+    sshd: dict[str, Any],
+    name: str,
+    seccomp: dict[str, str] | None,
+    sys_admin: bool = True,
+) -> tuple[dict[str, Any], str]:
     payload = f"written by pod {name} {uuid.uuid4()}"
     sc: dict[str, Any] = {}
     if sys_admin:
         sc["capabilities"] = {"add": ["SYS_ADMIN"]}
     if seccomp:
         sc["seccompProfile"] = seccomp
-    c = container(node, SSHFS_SCRIPT, fuse=1, securityContext=sc,
-                  env=[{"name": "PORT", "value": str(sshd["port"])},
-                       {"name": "EXPORT", "value": str(sshd["export"])},
-                       {"name": "PAYLOAD", "value": payload},
-                       {"name": "POD_NAME", "value": name}],
-                  volumeMounts=[{"name": "keys", "mountPath": "/keys", "readOnly": True}])
+    c = container(
+        node,
+        SSHFS_SCRIPT,
+        fuse=1,
+        securityContext=sc,
+        env=[
+            {"name": "PORT", "value": str(sshd["port"])},
+            {"name": "EXPORT", "value": str(sshd["export"])},
+            {"name": "PAYLOAD", "value": payload},
+            {"name": "POD_NAME", "value": name},
+        ],
+        volumeMounts=[{"name": "keys", "mountPath": "/keys", "readOnly": True}],
+    )
     vols = [{"name": "keys", "hostPath": {"path": str(sshd["dir"] / "keys"), "type": "Directory"}}]
     return pod_spec(c, volumes=vols), payload
 
 
-def test_3_sshfs_with_our_seccomp_profile(kube_node: Any, sshd: dict[str, Any],
-                                          seccomp_profiles: dict[str, str]) -> None:
-    spec, payload = sshfs_pod(kube_node, sshd, "sshfs-ours",
-                              {"type": "Localhost", "localhostProfile": seccomp_profiles["sshfs"]})
+def test_3_sshfs_with_our_seccomp_profile(
+    kube_node: Any, sshd: dict[str, Any], seccomp_profiles: dict[str, str]
+) -> None:
+    spec, payload = sshfs_pod(
+        kube_node,
+        sshd,
+        "sshfs-ours",
+        {"type": "Localhost", "localhostProfile": seccomp_profiles["sshfs"]},
+    )
     with pods(kube_node, **{"sshfs-ours": spec}) as runs:
         run = runs["sshfs-ours"]
         run.expect("Succeeded")
         log = run.log()
-        assert "MOUNTED " in log and "fuse.sshfs" in log, f"expected a fuse.sshfs mount in the pod\n{run.report()}"
-        assert "Seccomp:\t2" in log, f"expected the container to run under a seccomp filter\n{run.report()}"
+        assert "MOUNTED " in log, f"expected a mount at /mnt/remote in the pod\n{run.report()}"
+        assert "fuse.sshfs" in log, f"expected a fuse.sshfs mount in the pod\n{run.report()}"
+        assert "Seccomp:\t2" in log, (
+            f"expected the container to run under a seccomp filter\n{run.report()}"
+        )
         got = (sshd["export"] / "sshfs-ours.txt").read_text().strip()
         assert got == payload, f"expected the server to receive {payload!r}, it has {got!r}"
-        sessions = [ln for ln in nodemod.read_log(sshd["log"]).splitlines() if "subsystem 'sftp'" in ln]
-        evidence("3", [ln for ln in log.splitlines() if ln.startswith(("MOUNTED", "Seccomp"))]
-                 + [f"server side {sshd['export']}/sshfs-ours.txt = {got!r}", *sessions[-1:],
-                    *kubelet_lines(run.since, r"sshfs-ours.*ContainerDied")[-1:]])
+        sessions = [
+            ln for ln in nodemod.read_log(sshd["log"]).splitlines() if "subsystem 'sftp'" in ln
+        ]
+        evidence(
+            "3",
+            [ln for ln in log.splitlines() if ln.startswith(("MOUNTED", "Seccomp"))]
+            + [
+                f"server side {sshd['export']}/sshfs-ours.txt = {got!r}",
+                *sessions[-1:],
+                *kubelet_lines(run.since, r"sshfs-ours.*ContainerDied")[-1:],
+            ],
+        )
 
 
-def test_4_runtime_default_seccomp(kube_node: Any, sshd: dict[str, Any], seccomp_profiles: dict[str, str]) -> None:
+def test_4_runtime_default_seccomp(
+    kube_node: Any, sshd: dict[str, Any], seccomp_profiles: dict[str, str]
+) -> None:
     """Negative controls for scenario 3, each reported by the kubelet.
 
     Measured on this stack: containerd 1.6's RuntimeDefault profile is capability-aware —
@@ -492,25 +666,44 @@ def test_4_runtime_default_seccomp(kube_node: Any, sshd: dict[str, Any], seccomp
     """
     err = "fusermount3: mount failed: Operation not permitted"
     specs = {
-        "rtdefault-sysadmin": sshfs_pod(kube_node, sshd, "rtdefault-sysadmin", {"type": "RuntimeDefault"}),
-        "allowlist-no-mount": sshfs_pod(kube_node, sshd, "allowlist-no-mount",
-                                        {"type": "Localhost", "localhostProfile": seccomp_profiles["without_mount"]}),
-        "rtdefault-nocap": sshfs_pod(kube_node, sshd, "rtdefault-nocap", {"type": "RuntimeDefault"}, sys_admin=False),
+        "rtdefault-sysadmin": sshfs_pod(
+            kube_node, sshd, "rtdefault-sysadmin", {"type": "RuntimeDefault"}
+        ),
+        "allowlist-no-mount": sshfs_pod(
+            kube_node,
+            sshd,
+            "allowlist-no-mount",
+            {"type": "Localhost", "localhostProfile": seccomp_profiles["without_mount"]},
+        ),
+        "rtdefault-nocap": sshfs_pod(
+            kube_node, sshd, "rtdefault-nocap", {"type": "RuntimeDefault"}, sys_admin=False
+        ),
     }
     with pods(kube_node, **{k: v[0] for k, v in specs.items()}) as runs:
         for name in ["allowlist-no-mount", "rtdefault-nocap"]:
             run = runs[name]
             run.expect("Failed")
-            assert err in run.log(), f"expected {err!r} in the container log of {name}\n{run.report()}"
-            assert not (sshd["export"] / f"{name}.txt").exists(), f"{name} must not have written to the server"
+            assert err in run.log(), (
+                f"expected {err!r} in the container log of {name}\n{run.report()}"
+            )
+            assert not (sshd["export"] / f"{name}.txt").exists(), (
+                f"{name} must not have written to the server"
+            )
             term = run.pod["status"]["containerStatuses"][0]["state"]["terminated"]  # type: ignore[index]
-            evidence("4", f"{name}: kubelet reports {run.phase} exitCode={term['exitCode']}; container log: {err}")
+            evidence(
+                "4",
+                f"{name}: kubelet reports {run.phase} exitCode={term['exitCode']}; "
+                f"container log: {err}",
+            )
         run = runs["rtdefault-sysadmin"]
         run.expect("Succeeded")
         got = (sshd["export"] / "rtdefault-sysadmin.txt").read_text().strip()
         assert got == specs["rtdefault-sysadmin"][1]
-        evidence("4", "rtdefault-sysadmin: RuntimeDefault + CAP_SYS_ADMIN mounts sshfs on containerd 1.6 "
-                      f"(its default seccomp allows mount for CAP_SYS_ADMIN): kubelet reports {run.phase}")
+        evidence(
+            "4",
+            "rtdefault-sysadmin: RuntimeDefault + CAP_SYS_ADMIN mounts sshfs on containerd 1.6 "
+            f"(its default seccomp allows mount for CAP_SYS_ADMIN): kubelet reports {run.phase}",
+        )
 
 
 def test_5_more_than_capacity_is_refused(kube_node: Any) -> None:
@@ -521,12 +714,17 @@ def test_5_more_than_capacity_is_refused(kube_node: Any) -> None:
         st = pod["status"]
         msg = st.get("message", "")
         assert st.get("reason") == "UnexpectedAdmissionError", (
-            f"expected reason UnexpectedAdmissionError\n{run.report()}")
-        assert f"Requested: {want}, Available: {SLOTS}" in msg and RESOURCE in msg, (
-            f"expected 'Requested: {want}, Available: {SLOTS}' for {RESOURCE} in the message\n{run.report()}")
+            f"expected reason UnexpectedAdmissionError\n{run.report()}"
+        )
+        assert f"unavailable for {RESOURCE}. Requested: {want}, Available: {SLOTS}" in msg, (
+            f"expected 'Requested: {want}, Available: {SLOTS}' for {RESOURCE} in the message\n"
+            + run.report()
+        )
         assert not st.get("containerStatuses"), f"expected no container started\n{run.report()}"
         uid = pod["metadata"]["uid"]
-        started = kubelet_lines(run.since, re.escape(uid) + r".*(ContainerStarted|Need to start a new one)")
+        started = kubelet_lines(
+            run.since, re.escape(uid) + r".*(ContainerStarted|Need to start a new one)"
+        )
         assert not started, "expected the kubelet not to start a sandbox:\n" + "\n".join(started)
         evidence("5", f"toomany ({RESOURCE}: {want}): reason={st['reason']} message={msg!r}")
 
@@ -540,17 +738,31 @@ def test_6_kubelet_restart_plugin_reregisters(kube_node: Any) -> None:
     kube_node.restart_kubelet()
     after = sock.stat()
     lines = wait_registered(kube_node, since, "after the kubelet restart")
-    assert kube_node.pid("plugin") == plugin_pid, "the plugin process changed across the kubelet restart"
-    with pods(kube_node, afterrestart=pod_spec(container(kube_node, "ls -l /dev/fuse", fuse=1))) as runs:
+    assert kube_node.pid("plugin") == plugin_pid, (
+        "the plugin process changed across the kubelet restart"
+    )
+    with pods(
+        kube_node, afterrestart=pod_spec(container(kube_node, "ls -l /dev/fuse", fuse=1))
+    ) as runs:
         run = runs["afterrestart"]
         run.expect("Succeeded")
         assert "/dev/fuse" in run.log(), f"expected /dev/fuse in the pod\n{run.report()}"
         cap = kubelet_lines(run.since, r"Update capacity for github.com/fuse to \d+")
-        assert cap and cap[-1].endswith(f" {SLOTS}"), (
-            f"expected capacity {SLOTS} after the restart, the kubelet logged: {cap}")
-        evidence("6", [f"kubelet restarted (kubelet.sock inode {before.st_ino} -> {after.st_ino}, "
-                       f"ctime {before.st_ctime:.3f} -> {after.st_ctime:.3f}); plugin pid {plugin_pid} unchanged",
-                       *lines, cap[-1], f"new fuse pod after restart -> {run.phase}"])
+        assert cap, f"expected 'Update capacity for {RESOURCE}' after the restart\n{run.report()}"
+        assert cap[-1].endswith(f" {SLOTS}"), (
+            f"expected capacity {SLOTS} after the restart, the kubelet logged: {cap}"
+        )
+        evidence(
+            "6",
+            [
+                f"kubelet restarted (kubelet.sock inode {before.st_ino} -> {after.st_ino}, "
+                f"ctime {before.st_ctime:.3f} -> {after.st_ctime:.3f}); "
+                f"plugin pid {plugin_pid} unchanged",
+                *lines,
+                cap[-1],
+                f"new fuse pod after restart -> {run.phase}",
+            ],
+        )
 
 
 def test_7_plugin_sigkill_and_restart(kube_node: Any) -> None:
@@ -558,8 +770,14 @@ def test_7_plugin_sigkill_and_restart(kube_node: Any) -> None:
     since = nodemod.log_size(KUBELET_LOG)
     kube_node.stop("plugin", sig=signal.SIGKILL)
     # The kubelet sees the plugin gone.
-    gone = nodemod.wait_for(lambda: kubelet_lines(since, r"listAndWatch ended unexpectedly for device plugin github.com/fuse"),
-                            30, "the kubelet to notice the killed plugin", detail=lambda: nodemod.tail(KUBELET_LOG))
+    gone = nodemod.wait_for(
+        lambda: kubelet_lines(
+            since, r"listAndWatch ended unexpectedly for device plugin github.com/fuse"
+        ),
+        30,
+        "the kubelet to notice the killed plugin",
+        detail=lambda: nodemod.tail(KUBELET_LOG),
+    )
     stale = sock.exists()
     refused = False
     if stale:
@@ -568,7 +786,8 @@ def test_7_plugin_sigkill_and_restart(kube_node: Any) -> None:
                 s.connect(str(sock))
             except ConnectionRefusedError:
                 refused = True
-    assert stale and refused, f"expected a stale socket left by SIGKILL at {sock} (exists={stale}, refused={refused})"
+    assert stale, f"expected SIGKILL to leave the plugin's socket {sock} behind"
+    assert refused, f"expected the stale socket {sock} to refuse connections"
     since = nodemod.log_size(KUBELET_LOG)
     kube_node.start_plugin(SLOTS)
     lines = wait_registered(kube_node, since, "after the plugin restart")
@@ -579,8 +798,17 @@ def test_7_plugin_sigkill_and_restart(kube_node: Any) -> None:
             return True
 
     nodemod.wait_for(serving, 10, f"the restarted plugin to accept on {sock}")
-    with pods(kube_node, afterkill=pod_spec(container(kube_node, "ls -l /dev/fuse", fuse=1))) as runs:
+    with pods(
+        kube_node, afterkill=pod_spec(container(kube_node, "ls -l /dev/fuse", fuse=1))
+    ) as runs:
         run = runs["afterkill"]
         run.expect("Succeeded")
-        evidence("7", [gone[0], f"stale socket {sock} left by SIGKILL refused connections; plugin restarted",
-                       *lines, f"new fuse pod after the plugin restart -> {run.phase}"])
+        evidence(
+            "7",
+            [
+                gone[0],
+                f"stale socket {sock} left by SIGKILL refused connections; plugin restarted",
+                *lines,
+                f"new fuse pod after the plugin restart -> {run.phase}",
+            ],
+        )

@@ -4,7 +4,8 @@
     mkimage.py --name fdp-e2e/pause --out pause.tar --entrypoint /pause \
         --file /path/on/host/pause:/pause
     mkimage.py --name fdp-e2e/workload --out workload.tar --entrypoint /bin/sh \
-        --binary /usr/bin/sshfs --busybox /bin/busybox --text /etc/passwd:'root:x:0:0::/root:/bin/sh'
+        --binary /usr/bin/sshfs --busybox /bin/busybox \
+        --text /etc/passwd:'root:x:0:0::/root:/bin/sh'
 
 --binary copies the executable to the same path and every shared library that
 `ldd` reports, plus the ELF interpreter.  The layer is uncompressed and written
@@ -27,9 +28,35 @@ from pathlib import Path
 
 # busybox applets the e2e pods use
 BUSYBOX_APPLETS = [
-    "sh", "ls", "cat", "echo", "mkdir", "sleep", "grep", "mount", "umount", "stat",
-    "test", "true", "false", "id", "ps", "head", "tail", "wc", "find", "sync", "env",
-    "tr", "cut", "sort", "uniq", "xargs", "rm", "dd", "date",
+    "sh",
+    "ls",
+    "cat",
+    "echo",
+    "mkdir",
+    "sleep",
+    "grep",
+    "mount",
+    "umount",
+    "stat",
+    "test",
+    "true",
+    "false",
+    "id",
+    "ps",
+    "head",
+    "tail",
+    "wc",
+    "find",
+    "sync",
+    "env",
+    "tr",
+    "cut",
+    "sort",
+    "uniq",
+    "xargs",
+    "rm",
+    "dd",
+    "date",
 ]
 
 
@@ -45,31 +72,32 @@ def ldd_deps(binary: str) -> list[str]:
 
 class Layer:
     def __init__(self) -> None:
-        self.entries: dict[str, tuple[str, object]] = {}
+        # path -> (kind, data, mode): data is the host file, link target or text
+        self.entries: dict[str, tuple[str, str, int]] = {}
 
     def _parents(self, path: str) -> None:
         parts = Path(path).parts[1:-1]
         cur = ""
         for p in parts:
             cur += "/" + p
-            self.entries.setdefault(cur, ("dir", 0o755))
+            self.entries.setdefault(cur, ("dir", "", 0o755))
 
     def add_dir(self, path: str, mode: int = 0o755) -> None:
         self._parents(path)
-        self.entries[path] = ("dir", mode)
+        self.entries[path] = ("dir", "", mode)
 
     def add_file(self, host: str, path: str) -> None:
         real = os.path.realpath(host)
         self._parents(path)
-        self.entries[path] = ("file", real)
+        self.entries[path] = ("file", real, 0)
 
     def add_text(self, path: str, text: str, mode: int = 0o644) -> None:
         self._parents(path)
-        self.entries[path] = ("text", (text, mode))
+        self.entries[path] = ("text", text, mode)
 
     def add_symlink(self, path: str, target: str) -> None:
         self._parents(path)
-        self.entries[path] = ("symlink", target)
+        self.entries[path] = ("symlink", target, 0o777)
 
     def add_binary(self, host: str) -> None:
         self.add_file(host, host)
@@ -85,26 +113,25 @@ class Layer:
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
             for path in sorted(self.entries):
-                kind, data = self.entries[path]
+                kind, data, mode = self.entries[path]
                 ti = tarfile.TarInfo(path.lstrip("/"))
                 ti.uid = ti.gid = 0
                 ti.uname = ti.gname = "root"
                 ti.mtime = 0
                 if kind == "dir":
-                    ti.type, ti.mode = tarfile.DIRTYPE, int(data)  # type: ignore[arg-type]
+                    ti.type, ti.mode = tarfile.DIRTYPE, mode
                     tf.addfile(ti)
                 elif kind == "symlink":
-                    ti.type, ti.linkname, ti.mode = tarfile.SYMTYPE, str(data), 0o777
+                    ti.type, ti.linkname, ti.mode = tarfile.SYMTYPE, data, mode
                     tf.addfile(ti)
                 elif kind == "text":
-                    text, mode = data  # type: ignore[misc]
-                    raw = text.encode()
+                    raw = data.encode()
                     ti.size, ti.mode = len(raw), mode
                     tf.addfile(ti, io.BytesIO(raw))
                 else:
-                    st = os.stat(str(data))
+                    st = os.stat(data)
                     ti.size, ti.mode = st.st_size, st.st_mode & 0o7777
-                    with open(str(data), "rb") as f:
+                    with open(data, "rb") as f:
                         tf.addfile(ti, f)
         return buf.getvalue()
 
@@ -118,7 +145,9 @@ def blob(tf: tarfile.TarFile, raw: bytes) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--name", required=True, help="image name without tag, e.g. fdp-e2e/pause")
     ap.add_argument("--out", required=True)
     ap.add_argument("--entrypoint", nargs="+", required=True)
@@ -154,8 +183,11 @@ def main() -> None:
     config = {
         "architecture": "amd64",
         "os": "linux",
-        "config": {"Entrypoint": args.entrypoint, "Env": ["PATH=/bin:/usr/bin:/sbin:/usr/sbin"],
-                   "WorkingDir": "/"},
+        "config": {
+            "Entrypoint": args.entrypoint,
+            "Env": ["PATH=/bin:/usr/bin:/sbin:/usr/sbin"],
+            "WorkingDir": "/",
+        },
         "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
         "history": [{"created_by": "tests/e2e/kubelet/mkimage.py"}],
     }
@@ -167,25 +199,40 @@ def main() -> None:
         manifest = {
             "schemaVersion": 2,
             "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
-                       "digest": config_digest, "size": len(config_raw)},
-            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar",
-                        "digest": layer_digest, "size": len(layer_raw)}],
+            "config": {
+                "mediaType": "application/vnd.oci.image.config.v1+json",
+                "digest": config_digest,
+                "size": len(config_raw),
+            },
+            "layers": [
+                {
+                    "mediaType": "application/vnd.oci.image.layer.v1.tar",
+                    "digest": layer_digest,
+                    "size": len(layer_raw),
+                }
+            ],
         }
         manifest_raw = json.dumps(manifest, sort_keys=True).encode()
         manifest_digest = blob(tf, manifest_raw)
         index = {
             "schemaVersion": 2,
-            "manifests": [{
-                "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                "digest": manifest_digest, "size": len(manifest_raw),
-                "platform": {"architecture": "amd64", "os": "linux"},
-                "annotations": {"io.containerd.image.name": ref,
-                                "org.opencontainers.image.ref.name": tag},
-            }],
+            "manifests": [
+                {
+                    "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                    "digest": manifest_digest,
+                    "size": len(manifest_raw),
+                    "platform": {"architecture": "amd64", "os": "linux"},
+                    "annotations": {
+                        "io.containerd.image.name": ref,
+                        "org.opencontainers.image.ref.name": tag,
+                    },
+                }
+            ],
         }
-        for name, raw in [("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'),
-                          ("index.json", json.dumps(index, sort_keys=True).encode())]:
+        for name, raw in [
+            ("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'),
+            ("index.json", json.dumps(index, sort_keys=True).encode()),
+        ]:
             ti = tarfile.TarInfo(name)
             ti.size, ti.mode, ti.mtime = len(raw), 0o644, 0
             tf.addfile(ti, io.BytesIO(raw))

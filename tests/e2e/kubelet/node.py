@@ -53,7 +53,7 @@ RESOURCE = "github.com/fuse"
 RUN_ANNOTATION = "fuse-device-plugin.e2e/run"
 
 # teardown order: consumers before what they consume
-STOP_ORDER = ["kubelet", "plugin", "sshd", "containerd"]
+STOP_ORDER = ["kubelet", "plugin", "sshd", "installer", "containerd"]
 
 T = TypeVar("T")
 
@@ -66,8 +66,13 @@ class Timeout(AssertionError):
     pass
 
 
-def wait_for(pred: Callable[[], T | None], timeout: float, what: str,
-             interval: float = 0.2, detail: Callable[[], str] | None = None) -> T:
+def wait_for(
+    pred: Callable[[], T | None],
+    timeout: float,
+    what: str,
+    interval: float = 0.2,
+    detail: Callable[[], str] | None = None,
+) -> T:
     """Poll real state until pred() returns something truthy, or fail after timeout."""
     deadline = time.monotonic() + timeout
     last_exc: Exception | None = None
@@ -92,20 +97,22 @@ def wait_for(pred: Callable[[], T | None], timeout: float, what: str,
 
 # ---------------------------------------------------------------- processes
 
+
 def proc_start_time(pid: int) -> int | None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     if fields[0] == "Z":
         return None
     return int(fields[19])
 
 
 class Node:
-    def __init__(self, kubelet_bin: Path | None = None, plugin_bin: Path | None = None,
-                 lock: bool = True) -> None:
+    def __init__(
+        self, kubelet_bin: Path | None = None, plugin_bin: Path | None = None, lock: bool = True
+    ) -> None:
         self.kubelet_bin = kubelet_bin or find_kubelet()
         self.plugin_bin = plugin_bin or find_plugin()
         self.children: dict[str, subprocess.Popen[bytes]] = {}
@@ -121,20 +128,32 @@ class Node:
                 fcntl.flock(self._lockf, fcntl.LOCK_EX)
 
     # ---- recorded processes
-    def spawn(self, name: str, argv: list[str], logfile: Path | None = None,
-              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def spawn(
+        self,
+        name: str,
+        argv: list[str],
+        logfile: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:
         PIDS.mkdir(parents=True, exist_ok=True)
         logfile = logfile or LOGDIR / f"{name}.log"
         logfile.parent.mkdir(parents=True, exist_ok=True)
         out = open(logfile, "ab")  # noqa: SIM115
         out.write(f"\n==== {time.strftime('%F %T')} start {' '.join(argv)}\n".encode())
         out.flush()
-        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, env=env)
+        p = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
         out.close()
         st = proc_start_time(p.pid)
-        (PIDS / f"{name}.json").write_text(json.dumps(
-            {"pid": p.pid, "start_time": st, "argv": argv, "log": str(logfile)}))
+        (PIDS / f"{name}.json").write_text(
+            json.dumps({"pid": p.pid, "start_time": st, "argv": argv, "log": str(logfile)})
+        )
         self.children[name] = p
         log(f"started {name} pid {p.pid}: {' '.join(argv)}")
         return p
@@ -183,23 +202,42 @@ class Node:
 
     # ---- containerd
     def ctr(self, *args: str, check: bool = True, timeout: float = 120) -> str:
-        r = subprocess.run(["ctr", "--address", str(CONTAINERD_SOCK), "--namespace", "k8s.io", *args],
-                           capture_output=True, text=True, timeout=timeout, check=False)
+        r = subprocess.run(
+            ["ctr", "--address", str(CONTAINERD_SOCK), "--namespace", "k8s.io", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
         if check and r.returncode != 0:
             raise RuntimeError(f"ctr {' '.join(args)} failed ({r.returncode}): {r.stderr.strip()}")
         return r.stdout
 
     def start_containerd(self) -> None:
-        for d in [STATE / "containerd" / "state", DATA / "containerd" / "root",
-                  STATE / "cni" / "bin", STATE / "cni" / "net.d"]:
+        for d in [
+            STATE / "containerd" / "state",
+            DATA / "containerd" / "root",
+            STATE / "cni" / "bin",
+            STATE / "cni" / "net.d",
+        ]:
             d.mkdir(parents=True, exist_ok=True)
         cfg = STATE / "containerd.toml"
         render(HERE / "containerd.toml.in", cfg, PAUSE_IMAGE=self.images["PAUSE_IMAGE"])
         self.spawn("containerd", ["containerd", "--config", str(cfg)])
-        wait_for(lambda: self.alive("containerd") and
-                 subprocess.run(["ctr", "--address", str(CONTAINERD_SOCK), "version"],
-                                capture_output=True, check=False).returncode == 0,
-                 30, "containerd to serve its socket", detail=lambda: tail(LOGDIR / "containerd.log"))
+        wait_for(
+            lambda: (
+                self.alive("containerd")
+                and subprocess.run(
+                    ["ctr", "--address", str(CONTAINERD_SOCK), "version"],
+                    capture_output=True,
+                    check=False,
+                ).returncode
+                == 0
+            ),
+            30,
+            "containerd to serve its socket",
+            detail=lambda: tail(LOGDIR / "containerd.log"),
+        )
         have = set(self.ctr("images", "ls", "-q").split())
         for key in ["PAUSE", "WORKLOAD"]:
             ref = self.images[f"{key}_IMAGE"]
@@ -207,10 +245,15 @@ class Node:
                 log(f"importing {ref}")
                 self.ctr("images", "import", self.images[f"{key}_TAR"])
         have = set(self.ctr("images", "ls", "-q").split())
-        missing = [self.images[f"{k}_IMAGE"] for k in ["PAUSE", "WORKLOAD"]
-                   if self.images[f"{k}_IMAGE"] not in have]
+        missing = [
+            self.images[f"{k}_IMAGE"]
+            for k in ["PAUSE", "WORKLOAD"]
+            if self.images[f"{k}_IMAGE"] not in have
+        ]
         if missing:
-            raise RuntimeError(f"images not in containerd after import: {missing}; have {sorted(have)}")
+            raise RuntimeError(
+                f"images not in containerd after import: {missing}; have {sorted(have)}"
+            )
 
     # ---- kubelet
     def start_kubelet(self) -> None:
@@ -225,21 +268,40 @@ class Node:
         render(HERE / "kubelet-config.yaml.in", cfg)
         sock = f"unix://{CONTAINERD_SOCK}"
         self.kubelet_log_offset = log_size(LOGDIR / "kubelet.log")
-        self.spawn("kubelet", [
-            str(self.kubelet_bin), f"--config={cfg}",
-            "--container-runtime=remote", f"--container-runtime-endpoint={sock}",
-            f"--image-service-endpoint={sock}", f"--root-dir={KUBELET_ROOT}",
-            f"--hostname-override={NODE_NAME}",
-            f"--pod-infra-container-image={self.images['PAUSE_IMAGE']}",
-            f"--seccomp-profile-root={SECCOMP_ROOT}", "--v=2",
-        ])
-        wait_for(lambda: self.alive("kubelet") and http_get(HEALTHZ) == "ok", 60,
-                 "kubelet healthz", detail=lambda: tail(LOGDIR / "kubelet.log"))
-        wait_for(lambda: self.pods() is not None, 30, "kubelet read-only port /pods",
-                 detail=lambda: tail(LOGDIR / "kubelet.log"))
+        self.spawn(
+            "kubelet",
+            [
+                str(self.kubelet_bin),
+                f"--config={cfg}",
+                "--container-runtime=remote",
+                f"--container-runtime-endpoint={sock}",
+                f"--image-service-endpoint={sock}",
+                f"--root-dir={KUBELET_ROOT}",
+                f"--hostname-override={NODE_NAME}",
+                f"--pod-infra-container-image={self.images['PAUSE_IMAGE']}",
+                f"--seccomp-profile-root={SECCOMP_ROOT}",
+                "--v=2",
+            ],
+        )
+        wait_for(
+            lambda: self.alive("kubelet") and http_get(HEALTHZ) == "ok",
+            60,
+            "kubelet healthz",
+            detail=lambda: tail(LOGDIR / "kubelet.log"),
+        )
+        wait_for(
+            lambda: self.pods() is not None,
+            30,
+            "kubelet read-only port /pods",
+            detail=lambda: tail(LOGDIR / "kubelet.log"),
+        )
         # The device manager serves kubelet.sock once it has started.
-        wait_for(lambda: (DEVICE_PLUGIN_DIR / "kubelet.sock").is_socket(), 30,
-                 "kubelet.sock in the device-plugin dir", detail=lambda: tail(LOGDIR / "kubelet.log"))
+        wait_for(
+            (DEVICE_PLUGIN_DIR / "kubelet.sock").is_socket,
+            30,
+            "kubelet.sock in the device-plugin dir",
+            detail=lambda: tail(LOGDIR / "kubelet.log"),
+        )
 
     def restart_kubelet(self) -> None:
         self.stop("kubelet")
@@ -247,8 +309,16 @@ class Node:
 
     # ---- our plugin
     def plugin_argv(self, slots: int) -> list[str]:
-        return [str(self.plugin_bin), "serve", "--device-plugin-dir", str(DEVICE_PLUGIN_DIR),
-                "--fuse-device", "/dev/fuse", "--slots", str(slots)]
+        return [
+            str(self.plugin_bin),
+            "serve",
+            "--device-plugin-dir",
+            str(DEVICE_PLUGIN_DIR),
+            "--fuse-device",
+            "/dev/fuse",
+            "--slots",
+            str(slots),
+        ]
 
     def start_plugin(self, slots: int) -> int:
         """Start the plugin; returns the kubelet log offset before it started."""
@@ -261,16 +331,22 @@ class Node:
         body = http_get(f"{READONLY}/pods")
         return json.loads(body).get("items") or []
 
-    def add_pod(self, name: str, spec: dict[str, Any], annotations: dict[str, str] | None = None) -> str:
+    def add_pod(
+        self, name: str, spec: dict[str, Any], annotations: dict[str, str] | None = None
+    ) -> str:
         """Write a static pod manifest; returns the run id stamped into its annotations
         (static pod UIDs hash the manifest: a fresh annotation gives a fresh pod)."""
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name):
             raise ValueError(f"pod name {name!r} is not a DNS-1123 label")
         run_id = uuid.uuid4().hex[:12]
         manifest = {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": "default",
-                         "annotations": {RUN_ANNOTATION: run_id, **(annotations or {})}},
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": "default",
+                "annotations": {RUN_ANNOTATION: run_id, **(annotations or {})},
+            },
             "spec": spec,
         }
         MANIFESTS.mkdir(parents=True, exist_ok=True)
@@ -283,9 +359,12 @@ class Node:
         with contextlib.suppress(FileNotFoundError):
             (MANIFESTS / f"{name}.json").unlink()
         full = f"{name}-{NODE_NAME}"
-        wait_for(lambda: all(p["metadata"]["name"] != full for p in (self.pods() or [])),
-                 timeout, f"pod {full} to be removed by the kubelet",
-                 detail=lambda: tail(LOGDIR / "kubelet.log"))
+        wait_for(
+            lambda: all(p["metadata"]["name"] != full for p in (self.pods() or [])),
+            timeout,
+            f"pod {full} to be removed by the kubelet",
+            detail=lambda: tail(LOGDIR / "kubelet.log"),
+        )
 
     def find_pod(self, name: str, run_id: str) -> dict[str, Any] | None:
         full = f"{name}-{NODE_NAME}"
@@ -374,7 +453,9 @@ class Node:
                 log(f"unmounted {KUBELET_ROOT} (the kubelet's rshared bind mount)")
             marker.unlink()
         for _ in range(3):
-            mps = [mp for mp in mountpoints() if any(mp == r or mp.startswith(r + "/") for r in roots)]
+            mps = [
+                mp for mp in mountpoints() if any(mp == r or mp.startswith(r + "/") for r in roots)
+            ]
             if not mps:
                 return
             for mp in sorted(mps, key=lambda m: m.count("/"), reverse=True):
@@ -387,7 +468,9 @@ class Node:
         lines = []
         for rec in sorted(PIDS.glob("*.json")) if PIDS.is_dir() else []:
             r = json.loads(rec.read_text())
-            lines.append(f"{rec.stem:12} pid {r['pid']:>7} {'alive' if self.alive(rec.stem) else 'gone'}")
+            lines.append(
+                f"{rec.stem:12} pid {r['pid']:>7} {'alive' if self.alive(rec.stem) else 'gone'}"
+            )
         with contextlib.suppress(Exception):
             for p in self.pods() or []:
                 lines.append(f"pod {p['metadata']['name']}: {p.get('status', {}).get('phase')}")
@@ -396,11 +479,14 @@ class Node:
 
 # ---------------------------------------------------------------- helpers
 
+
 def find_kubelet() -> Path:
     env = os.environ.get("FDP_KUBELET")
     if env:
         return Path(env)
-    r = subprocess.run([str(HERE / "setup.sh"), "path"], capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [str(HERE / "setup.sh"), "path"], capture_output=True, text=True, check=False
+    )
     return Path(r.stdout.strip())
 
 
@@ -408,7 +494,10 @@ def find_plugin() -> Path:
     env = os.environ.get("FDP_PLUGIN_BIN")
     if env:
         return Path(env)
-    for cand in [REPO / ".venv" / "bin" / "fuse-device-plugin", Path(sys.executable).parent / "fuse-device-plugin"]:
+    for cand in [
+        REPO / ".venv" / "bin" / "fuse-device-plugin",
+        Path(sys.executable).parent / "fuse-device-plugin",
+    ]:
         if cand.exists():
             return cand
     return Path(shutil.which("fuse-device-plugin") or "fuse-device-plugin")
@@ -433,7 +522,8 @@ def render(src: Path, dst: Path, **extra: str) -> None:
 
 def http_get(url: str, timeout: float = 5) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
+        body: bytes = r.read()
+        return body.decode()
 
 
 def log_size(path: Path) -> int:
@@ -481,7 +571,9 @@ def node_up(slots: int | None = None) -> Iterator[Node]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("cmd", choices=["up", "down", "status"])
     ap.add_argument("--slots", type=int, help="also start `fuse-device-plugin serve --slots N`")
     args = ap.parse_args()

@@ -21,6 +21,7 @@ log() { echo "[setup $(date +%H:%M:%S)] $*" >&2; }
 
 [ "$(id -u)" = 0 ] || { echo "setup.sh must run as root" >&2; exit 1; }
 
+
 # Packages this stage needs (also listed in scripts/apt-packages.txt).
 PKGS=(containerd runc golang-1.19-go dpkg-dev gcc libc6-dev fuse3 sshfs
       openssh-server openssh-client busybox-static util-linux)
@@ -104,6 +105,13 @@ do_kubelet() {
     # The Go build cache is only needed for rebuilds; drop it to save disk.
     rm -rf "$dir/gocache"
 }
+
+if [ "${1:-all}" != path ]; then
+    # One setup at a time per cache (a test run and a developer may start it together).
+    mkdir -p "$FDP_CACHE"
+    exec 9>"$FDP_CACHE/setup.lock"
+    flock 9
+fi
 
 case "${1:-all}" in
     packages) do_packages ;;
