@@ -1,0 +1,1 @@
+"""Real containers (runc) built the way the kubelet and containerd build them; see ``oci``."""
