@@ -8,6 +8,7 @@ a plugin that half-starts and never registers.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import re
 from collections.abc import Callable
@@ -42,6 +43,8 @@ class Settings:
     slots: int = DEFAULT_SLOTS
     log_format: str = "text"
     log_level: str = "info"
+    metrics_port: int = 0
+    metrics_address: str = "0.0.0.0"
 
     @property
     def socket_name(self) -> str:
@@ -93,6 +96,21 @@ def slots(text: str) -> int:
     return value
 
 
+def port(text: str) -> int:
+    if not text.strip().isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port from 0 to 65535, got {text!r}")
+    return int(text)
+
+
+def address(text: str) -> str:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be an IP address such as 0.0.0.0 or 127.0.0.1, got {text!r}") from None
+    return text
+
+
 def absolute_path(text: str) -> Path:
     if not text or "\0" in text or not text.startswith("/"):
         raise argparse.ArgumentTypeError(f"must be an absolute path, got {text!r}")
@@ -120,6 +138,9 @@ SERVE_FLAGS: tuple[tuple[str, Callable[[str], object], object, str], ...] = (
      "how many containers may hold the shared device at once"),
     ("--log-format", choice(FORMATS), "text", "log line format: text or json"),
     ("--log-level", choice(LEVELS), "info", "debug, info, warning or error"),
+    ("--metrics-port", port, 0,
+     "serve /metrics, /healthz and /readyz on this port; 0 turns it off"),
+    ("--metrics-address", address, "0.0.0.0", "address the metrics port binds to"),
 )
 
 
@@ -164,4 +185,6 @@ def from_args(args: argparse.Namespace) -> Settings:
         slots=args.slots,
         log_format=args.log_format,
         log_level=args.log_level,
+        metrics_port=args.metrics_port,
+        metrics_address=args.metrics_address,
     )

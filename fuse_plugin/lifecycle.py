@@ -73,8 +73,11 @@ class _Events(FileSystemEventHandler):
         paths = {os.fsdecode(event.src_path), os.fsdecode(dest)}
         if str(plugin.settings.fuse_device) in paths:
             plugin.device_changed()
-        if str(plugin.settings.kubelet_socket) in paths and event.event_type != "deleted":
-            plugin.kubelet_appeared()
+        if str(plugin.settings.kubelet_socket) in paths:
+            if event.event_type == "deleted":
+                plugin.kubelet_gone()
+            else:
+                plugin.kubelet_appeared()
         if str(plugin.settings.socket_path) in paths and event.event_type == "deleted":
             plugin.socket_deleted()
 
@@ -99,6 +102,7 @@ class Lifecycle:
         self._executor = futures.ThreadPoolExecutor(max_workers=WORKERS,
                                                     thread_name_prefix="grpc")
         self._observer = Observer()
+        self.alive = False
 
     # -- called from other threads -------------------------------------------------
 
@@ -109,6 +113,12 @@ class Lifecycle:
     def kubelet_appeared(self) -> None:
         self._need_register = True
         self._wake.set()
+
+    def kubelet_gone(self) -> None:
+        """The kubelet stopped: unready until a new kubelet.sock accepts us."""
+        if self.status.registered:
+            logs.event(self._log, "kubelet.gone", socket=str(self.settings.kubelet_socket))
+        self._set_registered(False)
 
     def socket_deleted(self) -> None:
         self._need_serve = True
@@ -130,6 +140,7 @@ class Lifecycle:
                    slots=len(self.state.ids))
         backoff = BACKOFF_FIRST
         next_safety = time.monotonic() + SAFETY_INTERVAL
+        self.alive = True
         try:
             while not self._stop.is_set():
                 self._wake.clear()
@@ -147,6 +158,7 @@ class Lifecycle:
                     self._safety_check()
                     next_safety = time.monotonic() + SAFETY_INTERVAL
         finally:
+            self.alive = False
             self._shutdown()
         return 0
 

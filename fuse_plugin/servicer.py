@@ -35,7 +35,10 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
                  on_allocate: Callable[[int, float], None] | None = None) -> None:
         self._state = state
         self._log = log
-        self._on_allocate = on_allocate
+        # Called with (containers, seconds) after each successful Allocate (metrics).
+        self.on_allocate = on_allocate
+        self.allocated_containers = 0
+        self.refusals = 0
         self._streams = 0
         self._streams_lock = threading.Lock()
         # Both possible device lists are built once: a 10,000-slot list costs ~20 ms
@@ -127,8 +130,9 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
         response = api.AllocateResponse(
             container_responses=[self._container] * len(containers))
         elapsed = time.perf_counter() - started
-        if self._on_allocate:
-            self._on_allocate(len(containers), elapsed)
+        self.allocated_containers += len(containers)
+        if self.on_allocate:
+            self.on_allocate(len(containers), elapsed)
         logs.event(self._log, "allocate", containers=len(containers), ids=ids,
                    host_path=str(self._state.device),
                    duration_ms=round(elapsed * 1000, 3))
@@ -139,6 +143,7 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
         return api.PreStartContainerResponse()
 
     def _refuse(self, context: grpc.ServicerContext, detail: str, ids: list[str]) -> None:
+        self.refusals += 1
         logs.event(self._log, "allocate.refused", logging.WARNING, ids=ids, reason=detail)
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail)
 

@@ -1,0 +1,124 @@
+"""Metrics and probes of the real ``serve`` process, scraped over HTTP."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from fuse_plugin.standin import KubeletStandIn
+from tests.conftest import RESOURCE, Node, PluginProcess, StartPlugin
+
+DEADLINE = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def eventually(check: Callable[[], bool], what: str) -> None:
+    """Re-check real state until it holds or the deadline passes."""
+    done = threading.Event()
+    timer = threading.Timer(DEADLINE, done.set)
+    timer.start()
+    try:
+        while not check():
+            if done.wait(0.01):
+                raise AssertionError(f"{what} did not happen within {DEADLINE}s")
+    finally:
+        timer.cancel()
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in the scrape:\n{text}")
+
+
+@pytest.fixture
+def plugin(start_plugin: StartPlugin) -> tuple[PluginProcess, int]:
+    port = free_port()
+    process = start_plugin("--metrics-port", str(port), "--metrics-address", "127.0.0.1",
+                           slots=4)
+    eventually(lambda: _answers(port), "the metrics port answering")
+    return process, port
+
+
+def _answers(port: int) -> bool:
+    try:
+        return get(port, "/healthz")[0] == 200
+    except OSError:
+        return False
+
+
+def test_probes_follow_registration_and_device_health(node: Node,
+                                                      plugin: tuple[PluginProcess, int]) -> None:
+    _, port = plugin
+    code, body = get(port, "/readyz")
+    assert (code, body.strip()) == (503, "not registered with the kubelet")
+    with KubeletStandIn(node.plugin_dir) as kubelet:
+        kubelet.wait_registered()
+        eventually(lambda: get(port, "/readyz")[0] == 200, "readyz turning 200")
+        node.remove_device()
+        eventually(lambda: get(port, "/readyz")[0] == 503, "readyz turning 503")
+        assert "device unhealthy" in get(port, "/readyz")[1]
+        assert get(port, "/healthz")[0] == 200
+        node.restore_device()
+        eventually(lambda: get(port, "/readyz")[0] == 200, "readyz back to 200")
+    # The kubelet went away (its socket deleted): no longer ready, still alive.
+    eventually(lambda: get(port, "/readyz")[0] == 503, "readyz after the kubelet left")
+    assert get(port, "/healthz")[0] == 200
+    assert get(port, "/nope")[0] == 404
+
+
+def test_metrics_count_real_registrations_and_allocates(
+        node: Node, kubelet: KubeletStandIn, plugin: tuple[PluginProcess, int]) -> None:
+    _, port = plugin
+    kubelet.wait_registered(1)
+    kubelet.restart()
+    kubelet.wait_registered(2)
+    kubelet.wait_devices(RESOURCE, lambda d: len(d) == 4)
+    kubelet.allocate(RESOURCE, [["fuse-0"], ["fuse-1"]])
+    kubelet.allocate(RESOURCE, [["fuse-2"]])
+    with pytest.raises(grpc.RpcError):
+        kubelet.allocate(RESOURCE, [["fuse-9"]])
+    eventually(lambda: metric(get(port, "/metrics")[1],
+                              "fuse_device_plugin_registered") == 1, "registered gauge")
+    code, text = get(port, "/metrics")
+    assert code == 200
+    assert metric(text, "fuse_device_plugin_registrations_total") == 2
+    assert metric(text, "fuse_device_plugin_kubelet_restarts_total") == 1
+    assert metric(text, "fuse_device_plugin_allocations_total") == 3
+    assert metric(text, "fuse_device_plugin_allocate_refusals_total") == 1
+    assert metric(text, "fuse_device_plugin_allocate_duration_seconds_count") == 2
+    assert 'fuse_device_plugin_slots{health="Healthy"} 4.0' in text
+    assert 'fuse_device_plugin_slots{health="Unhealthy"} 0.0' in text
+    assert metric(text, "fuse_device_plugin_listandwatch_streams") == 1
+    assert metric(text, "fuse_device_plugin_registration_failures_total") >= 0
+
+
+def test_metrics_port_in_use_is_a_clear_error(start_plugin: StartPlugin) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        process = start_plugin("--metrics-port", str(port), "--metrics-address", "127.0.0.1")
+        assert process.proc.wait(30) == 1
+    assert f"cannot serve metrics on 127.0.0.1:{port}: Address already in use" in process.log
+    assert "Traceback" not in process.log
