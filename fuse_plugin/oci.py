@@ -46,7 +46,9 @@ squashfuse {IMAGE} {MOUNTPOINT}
 echo "$ grep fuse /proc/self/mounts"; grep fuse /proc/self/mounts
 echo "$ ls -l {MOUNTPOINT}"; ls -l {MOUNTPOINT}
 echo "$ cat {MOUNTPOINT}/hello.txt"; cat {MOUNTPOINT}/hello.txt
-echo "$ ls /dev"; ls /dev | tr '\\n' ' '; echo
+echo "$ ls /dev"; echo $(ls /dev)
+echo "$ unshare --mount true"
+unshare --mount true 2>&1 || echo "refused: the profile allows FUSE mounts, not new namespaces"
 echo "$ grep -E '^(CapEff|Seccomp):' /proc/self/status"
 grep -E '^(CapEff|Seccomp):' /proc/self/status
 umount {MOUNTPOINT}
@@ -132,11 +134,23 @@ def _bind(source: str, destination: str) -> dict[str, Any]:
             "options": ["rbind", "ro", "nosuid", "nodev"]}
 
 
-def bundle_config(rootfs: Path, image: Path, specs: Sequence[Any],
-                  seccomp: dict[str, Any]) -> dict[str, Any]:
-    """An OCI runtime config for the demo container (runtime-spec 1.0)."""
-    nodes, rules = device_entries(specs)
-    caps = ["CAP_SYS_ADMIN"]
+@dataclass(frozen=True)
+class Container:
+    """What a pod's container would get, reduced to what the demo and tests vary."""
+
+    args: tuple[str, ...]
+    devices: tuple[Any, ...]
+    seccomp: dict[str, Any]
+    capabilities: tuple[str, ...] = ("CAP_SYS_ADMIN",)
+    # (host path, container path), read-only; and writable scratch dirs (emptyDirs).
+    binds: tuple[tuple[str, str], ...] = ()
+    tmpfs: tuple[str, ...] = ("/mnt",)
+
+
+def bundle_config(rootfs: Path, container: Container) -> dict[str, Any]:
+    """An OCI runtime config (runtime-spec 1.0) for one unprivileged container."""
+    nodes, rules = device_entries(container.devices)
+    caps = list(container.capabilities)
     mounts: list[dict[str, Any]] = [
         {"destination": "/proc", "type": "proc", "source": "proc"},
         {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
@@ -150,14 +164,16 @@ def bundle_config(rootfs: Path, image: Path, specs: Sequence[Any],
         *_host_root_entries(rootfs),
         {"destination": "/etc/ld.so.cache", "type": "bind", "source": "/etc/ld.so.cache",
          "options": ["bind", "ro"]},
-        {"destination": IMAGE, "type": "bind", "source": str(image),
-         "options": ["bind", "ro", "nosuid", "nodev"]},
-        {"destination": "/mnt", "type": "tmpfs", "source": "tmpfs",
-         "options": ["nosuid", "nodev", "size=1m"]},
+        *({"destination": target, "type": "bind", "source": source,
+           "options": ["bind", "ro", "nosuid", "nodev"]} for source, target in container.binds),
+        *({"destination": target, "type": "tmpfs", "source": "tmpfs",
+           "options": ["nosuid", "nodev", "size=16m"]} for target in container.tmpfs),
     ]
+    files = {"/etc/ld.so.cache"} | {target for source, target in container.binds
+                                    if not Path(source).is_dir()}
     for entry in mounts:
         target = rootfs / entry["destination"].lstrip("/")
-        if entry["destination"] in (IMAGE, "/etc/ld.so.cache"):
+        if entry["destination"] in files:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.touch()
         elif not target.is_symlink():
@@ -167,7 +183,7 @@ def bundle_config(rootfs: Path, image: Path, specs: Sequence[Any],
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": ["/bin/sh", "-c", SCRIPT],
+            "args": list(container.args),
             "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C"],
             "cwd": "/",
             "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
@@ -183,11 +199,34 @@ def bundle_config(rootfs: Path, image: Path, specs: Sequence[Any],
                            ("pid", "network", "ipc", "uts", "mount")],
             "devices": nodes,
             "resources": {"devices": [{"allow": False, "access": "rwm"}, *rules]},
-            "seccomp": seccomp,
+            "seccomp": container.seccomp,
             "maskedPaths": list(MASKED),
             "readonlyPaths": list(READ_ONLY),
         },
     }
+
+
+def run_container(container: Container, timeout: float = RUN_TIMEOUT
+                  ) -> subprocess.CompletedProcess[str]:
+    """Run it once with runc in a temp bundle; always deleted afterwards, even on timeout."""
+    with tempfile.TemporaryDirectory(prefix="fuse-oci-") as tmp:
+        work = Path(tmp)
+        rootfs = work / "rootfs"
+        rootfs.mkdir()
+        (work / "config.json").write_text(json.dumps(bundle_config(rootfs, container)))
+        name = f"fuse-oci-{os.getpid()}-{work.name[-8:]}"
+        state = work / "runc-state"
+        runc = ["runc", "--root", str(state)]
+        try:
+            return subprocess.run([*runc, "run", "--bundle", str(work), name],
+                                  capture_output=True, text=True, timeout=timeout,
+                                  check=False)
+        except subprocess.TimeoutExpired:
+            raise ContainerError(f"the container did not finish within {timeout:.0f}s"
+                                 ) from None
+        finally:
+            subprocess.run([*runc, "delete", "--force", name], capture_output=True,
+                           check=False, timeout=30)
 
 
 def make_image(source: Path, image: Path) -> None:
@@ -201,47 +240,34 @@ def make_image(source: Path, image: Path) -> None:
 
 
 def run_mount_demo(specs: Sequence[Any]) -> MountResult:
-    """Build the bundle, run the container once, and return what it printed."""
+    """Build the image, run the demo container once, and return what it printed."""
     result = MountResult()
-    with tempfile.TemporaryDirectory(prefix="fuse-demo-oci-") as tmp:
-        work = Path(tmp)
-        image = work / "demo.sqfs"
-        make_image(work / "image-src", image)
-        rootfs = work / "rootfs"
-        rootfs.mkdir()
-        config = bundle_config(rootfs, image, specs, seccomp_profile())
-        (work / "config.json").write_text(json.dumps(config, indent=1))
-        profile = config["linux"]["seccomp"]
+    with tempfile.TemporaryDirectory(prefix="fuse-demo-image-") as tmp:
+        image = Path(tmp) / "demo.sqfs"
+        make_image(Path(tmp) / "src", image)
+        profile = seccomp_profile()
+        container = Container(args=("/bin/sh", "-c", SCRIPT), devices=tuple(specs),
+                              seccomp=profile, binds=((str(image), IMAGE),))
         allowed = sum(len(rule.get("names", [])) for rule in profile.get("syscalls", [])
                       if rule.get("action") == "SCMP_ACT_ALLOW")
+        nodes, _ = device_entries(container.devices)
         result.setup += [
-            f"bundle {work}: read-only host /usr, a squashfs image made with mksquashfs",
+            "root filesystem: the host's /usr, read-only; a squashfs image made with "
+            "mksquashfs",
             "device from the Allocate answer: " + ", ".join(
-                f"{n['path']} (c {n['major']}:{n['minor']}, cgroup rw)"
-                for n in config["linux"]["devices"]),
+                f"{n['path']} (c {n['major']}:{n['minor']}, cgroup rw)" for n in nodes),
             "capabilities: CAP_SYS_ADMIN only; not privileged; root filesystem read-only",
             f"seccomp: the generated {SECCOMP_PRESET!r} profile ({allowed} syscalls allowed, "
             f"default action {profile.get('defaultAction')})",
             "AppArmor: not applied by this demo (the pod's Localhost profile does that on "
             "a node)",
         ]
-        name = f"fuse-demo-{os.getpid()}"
-        state = work / "runc-state"
-        command = ["runc", "--root", str(state), "run", "--bundle", str(work), name]
-        try:
-            proc = subprocess.run(command, capture_output=True, text=True,
-                                  timeout=RUN_TIMEOUT, check=False)
-        except subprocess.TimeoutExpired:
-            raise ContainerError(f"the container did not finish within {RUN_TIMEOUT:.0f}s"
-                                 ) from None
-        finally:
-            subprocess.run(["runc", "--root", str(state), "delete", "--force", name],
-                           capture_output=True, check=False)
-        if proc.returncode != 0:
-            said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-            raise ContainerError(f"the container failed (exit {proc.returncode}): "
-                                 f"{said[-1] if said else 'no output'}")
-        result.output = proc.stdout.rstrip("\n").splitlines()
+        proc = run_container(container)
+    if proc.returncode != 0:
+        said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+        raise ContainerError(f"the container failed (exit {proc.returncode}): "
+                             f"{said[-1] if said else 'no output'}")
+    result.output = proc.stdout.rstrip("\n").splitlines()
     return result
 
 

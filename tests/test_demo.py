@@ -92,7 +92,11 @@ def test_bundle_config_is_not_privileged(tmp_path: Path) -> None:
     rootfs.mkdir()
     spec = api.DeviceSpec(container_path="/dev/fuse", host_path=str(node), permissions="rw")
     seccomp = {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": []}
-    config = oci.bundle_config(rootfs, tmp_path / "image", [spec], seccomp)
+    image = tmp_path / "image"
+    image.write_text("")
+    config = oci.bundle_config(rootfs, oci.Container(
+        args=("/bin/true",), devices=(spec,), seccomp=seccomp,
+        binds=((str(image), oci.IMAGE),)))
     process, linux = config["process"], config["linux"]
     assert process["capabilities"]["effective"] == ["CAP_SYS_ADMIN"]
     assert "ambient" not in process["capabilities"]
@@ -104,7 +108,8 @@ def test_bundle_config_is_not_privileged(tmp_path: Path) -> None:
     assert linux["resources"]["devices"] == [
         {"allow": False, "access": "rwm"},
         {"allow": True, "type": "c", "major": 10, "minor": 229, "access": "rw"}]
-    assert {m["destination"] for m in config["mounts"]} >= {"/proc", "/dev", "/usr"}
+    assert {m["destination"] for m in config["mounts"]} >= {"/proc", "/dev", "/usr", "/mnt"}
+    assert (rootfs / oci.IMAGE.lstrip("/")).is_file()
     assert not any(m["source"] == "/dev" for m in config["mounts"])
     assert "/proc/kcore" in linux["maskedPaths"]
 
@@ -129,5 +134,6 @@ def test_demo_mount_runs_a_real_unprivileged_fuse_container() -> None:
     assert oci.HELLO.strip() in out
     assert "CapEff:\t0000000000200000" in out  # CAP_SYS_ADMIN (bit 21) and nothing else
     assert "Seccomp:\t2" in out  # a seccomp filter is in force
+    assert "unshare failed: Operation not permitted" in out  # and it is the FUSE profile
     assert "unmounted /mnt/fuse" in out
     assert "skipped" not in out
