@@ -1,0 +1,112 @@
+"""A CDI (Container Device Interface) spec for the FUSE device, for runtimes that prefer it.
+
+With CDI, Allocate also answers ``cdi_devices: ["github.com/fuse=fuse"]`` and the
+container runtime (containerd 1.7+, CRI-O) edits the container from the spec file
+written here instead of from the DeviceSpec. The kind is the resource name itself
+(vendor ``github.com``, class ``fuse``), so one name means the same thing to the kubelet
+and to the runtime.
+
+The runtime watches the spec directory and reads every ``*.json`` in it, so the file is
+written to a temp name without that suffix, synced, and renamed into place: a runtime
+never reads half a spec, and a crash leaves no spec that names the wrong device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fuse_plugin.config import DEFAULT_RESOURCE_NAME
+from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR
+
+DEFAULT_CDI_DIR = Path("/var/run/cdi")
+DEVICE_NAME = "fuse"
+CONTAINER_PATH = "/dev/fuse"
+# The oldest spec version that has deviceNodes[].hostPath. Declaring the oldest version
+# that says what we need keeps older runtimes working: containerd 1.7.0 vendors a CDI
+# library that rejects any version newer than 0.5.0.
+CDI_VERSION = "0.5.0"
+# A dot in the class ("vendor.com/fuse.v2") is a 0.6.0 feature.
+CDI_VERSION_DOTTED_CLASS = "0.6.0"
+
+# CDI is stricter than Kubernetes: vendor and class start with a letter.
+_VENDOR_OR_CLASS = re.compile(r"^[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
+
+
+def check_kind(resource: str) -> None:
+    """Raise ValueError when ``resource`` cannot double as a CDI kind (``vendor/class``)."""
+    vendor, sep, cls = resource.partition("/")
+    if not sep or not _VENDOR_OR_CLASS.match(vendor) or not _VENDOR_OR_CLASS.match(cls):
+        raise ValueError(
+            f"resource {resource!r} is not a CDI kind: vendor and class must start with a "
+            "letter, end with a letter or digit, and hold only letters, digits, '_', '-', '.'")
+
+
+def spec_version(resource: str) -> str:
+    _, _, cls = resource.partition("/")
+    return CDI_VERSION_DOTTED_CLASS if "." in cls else CDI_VERSION
+
+
+def cdi_device_name(resource: str = DEFAULT_RESOURCE_NAME) -> str:
+    """The fully qualified name Allocate returns in ``cdi_devices``: ``github.com/fuse=fuse``."""
+    check_kind(resource)
+    return f"{resource}={DEVICE_NAME}"
+
+
+def spec_file_name(resource: str) -> str:
+    return resource.replace("/", "-") + ".json"
+
+
+def build_spec(device: Path, resource: str) -> dict[str, Any]:
+    """The spec: one device whose only edit is the FUSE node, read-write, no mknod."""
+    check_kind(resource)
+    node = {"path": CONTAINER_PATH, "hostPath": str(device), "type": "c",
+            "major": FUSE_MAJOR, "minor": FUSE_MINOR, "permissions": "rw"}
+    return {"cdiVersion": spec_version(resource), "kind": resource,
+            "devices": [{"name": DEVICE_NAME, "containerEdits": {"deviceNodes": [node]}}]}
+
+
+def write_spec(directory: Path, device: Path, resource: str) -> Path:
+    """Write the spec atomically into ``directory`` (created if missing); return its path.
+
+    Raises ValueError for a resource that is not a CDI kind and OSError when the
+    directory cannot be written; no temp file is left behind either way.
+    """
+    text = json.dumps(build_spec(device, resource), indent=2) + "\n"
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / spec_file_name(resource)
+    fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temp, 0o644)
+        os.replace(temp, target)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(directory)
+    return target
+
+
+def remove_spec(path: Path) -> None:
+    """Remove the spec at shutdown; already gone is fine (a restart may race us)."""
+    path.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename or unlink itself durable, not only the file's bytes."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,220 @@
+"""FUSE error messages, what causes them, how to tell the causes apart, and the fix.
+
+This table is the one place the project keeps this knowledge: ``doctor --explain`` answers
+from it and the docs render it (``markdown()``), so the two can never disagree. Entries
+are ordered from the most specific message to the most generic errno; ``explain`` stops
+after the first entry marked ``final``, so "failed to open /dev/fuse: Permission denied"
+is explained as an open failure and not also as an AppArmor mount denial.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Cause:
+    cause: str
+    tell: str  # how to tell this cause from the entry's other causes
+    fix: str
+    # The errno text this cause answers: a message naming another errno skips it, one
+    # naming none gets every cause. Lets "failed to open /dev/fuse: <errno>" be exact.
+    when: str = ""
+
+
+@dataclass(frozen=True)
+class KnownError:
+    key: str
+    example: str  # a real message of this kind: shown in the docs, checked by the tests
+    errno: str
+    patterns: tuple[str, ...]
+    meaning: str
+    causes: tuple[Cause, ...]
+    final: bool = True
+    _compiled: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        compiled = tuple(re.compile(p, re.IGNORECASE) for p in self.patterns)
+        object.__setattr__(self, "_compiled", compiled)
+
+    def matches(self, message: str) -> bool:
+        return any(p.search(message) for p in self._compiled)
+
+    def causes_for(self, message: str) -> tuple[Cause, ...]:
+        """The causes for the errno the message names; all of them when it names none."""
+        if not any(re.search(e, message, re.IGNORECASE) for e in _ERRNOS):
+            return self.causes
+        return tuple(c for c in self.causes
+                     if not c.when or re.search(c.when, message, re.IGNORECASE))
+
+
+_ENOENT = r"no such file|\bENOENT\b"
+_EPERM = r"not permitted|\bEPERM\b"
+_EACCES = r"permission denied|\bEACCES\b"
+_ERRNOS = (_ENOENT, _EPERM, _EACCES)
+
+_RESOURCE_FIX = ("request the device: `resources.limits: {github.com/fuse: 1}`; if the node "
+                 "has no github.com/fuse capacity (`kubectl describe node`), run "
+                 "`fuse-device-plugin doctor` on that node")
+
+ERRORS: tuple[KnownError, ...] = (
+    KnownError(
+        key="open-dev-fuse",
+        example="fuse: failed to open /dev/fuse: Permission denied",
+        errno="ENOENT / EPERM / EACCES",
+        patterns=(r"failed to open /dev/fuse", r"open(ing)?\(?\s*\"?/dev/fuse",
+                  r"/dev/fuse:\s*(no such|operation not|permission)"),
+        meaning="opening /dev/fuse failed, before any mount was tried; the errno says why",
+        causes=(
+            Cause("the container has no /dev/fuse",
+                  "`ls -l /dev/fuse` in the container: No such file or directory",
+                  _RESOURCE_FIX, when=_ENOENT),
+            Cause("the device cgroup does not allow c 10:229: the node came from a hostPath "
+                  "volume, which gives the file but not the permission to open it",
+                  "the node exists in the container yet `exec 3<>/dev/fuse` fails with "
+                  "Operation not permitted",
+                  "drop the hostPath volume and request `github.com/fuse: 1` instead: the "
+                  "plugin's allocation adds the cgroup rule", when=_EPERM),
+            Cause("/dev/fuse is mode 0600 (owned by host root) and the process is not host "
+                  "root: a non-root user, or any user in a user-namespaced pod "
+                  "(`hostUsers: false`)",
+                  "`ls -l /dev/fuse` in the container shows crw-------",
+                  "make the node's /dev/fuse 0666 (udev rule `KERNEL==\"fuse\", MODE=\"0666\"`, "
+                  "the default on most distributions); `doctor` warns on 0600", when=_EACCES),
+        )),
+    KnownError(
+        key="device-not-found",
+        example="fuse: device not found, try 'modprobe fuse' first",
+        errno="ENODEV",
+        patterns=(r"fuse: device not found", r"\bENODEV\b", r"no such device",
+                  r"unknown filesystem type '?fuse"),
+        meaning="no usable FUSE device: in the container, or in the node's kernel",
+        causes=(
+            Cause("the container has no /dev/fuse: the pod did not request github.com/fuse, "
+                  "or the plugin is not registered on this node",
+                  "`ls -l /dev/fuse` in the container fails; the node shows no github.com/fuse "
+                  "capacity when the plugin is the problem",
+                  _RESOURCE_FIX),
+            Cause("the node's kernel has no FUSE filesystem",
+                  "`grep fuse /proc/filesystems` on the node prints nothing",
+                  "`modprobe fuse` on the node and add `fuse` to /etc/modules-load.d/fuse.conf"),
+        )),
+    KnownError(
+        key="not-connected",
+        example="ls: cannot access '/mnt/data': Transport endpoint is not connected",
+        errno="ENOTCONN",
+        patterns=(r"transport endpoint is not connected", r"\bENOTCONN\b"),
+        meaning="the mount is still there but the FUSE daemon that served it is gone",
+        causes=(
+            Cause("the FUSE daemon exited (crash, OOM kill, container restart) and left its "
+                  "mount behind",
+                  "`grep fuse /proc/self/mountinfo` still lists the mountpoint while no daemon "
+                  "process serves it",
+                  "unmount it (`fusermount3 -u -z MOUNTPOINT`, or `umount -l` on the node for a "
+                  "propagated mount) and start the daemon again; a liveness probe that stats "
+                  "the mountpoint makes the kubelet do this"),
+            Cause("lxcfs restarted (node reboot, DaemonSet update): pods that bind-mounted "
+                  "/proc files from the old lxcfs mount keep the dead mount",
+                  "the error comes from /proc files in application pods, e.g. "
+                  "`top: failed /proc/stat open`",
+                  "restart the affected pods once lxcfs is back; see the lxcfs preset's "
+                  "node-restart failure mode in docs/profiles.md"),
+        )),
+    KnownError(
+        key="allow-other",
+        example=("fusermount3: option allow_other only allowed if 'user_allow_other' is set "
+                 "in /etc/fuse.conf"),
+        errno="",
+        patterns=(r"user_allow_other",),
+        meaning="a non-root user asked fusermount3 for -o allow_other",
+        causes=(
+            Cause("fusermount3 allows allow_other for non-root users only when the image's "
+                  "/etc/fuse.conf says so",
+                  "the daemon runs as a non-root user with -o allow_other",
+                  "add the line `user_allow_other` to /etc/fuse.conf in the image, or drop "
+                  "allow_other"),
+        )),
+    KnownError(
+        key="fusermount3",
+        example="fusermount3: mount failed: Operation not permitted",
+        errno="",
+        patterns=(r"fusermount3?: mount failed",),
+        meaning="the setuid-root helper that non-root FUSE daemons use called mount(2) and "
+                "the kernel refused; the errno after the colon names the cause",
+        causes=(
+            Cause("the setuid bit did nothing: `allowPrivilegeEscalation: false` sets "
+                  "no_new_privs, so fusermount3 runs without CAP_SYS_ADMIN",
+                  "`grep NoNewPrivs /proc/self/status` in the container prints 1",
+                  "set `allowPrivilegeEscalation: true` on the FUSE container",
+                  when=_EPERM),
+        ),
+        final=False),
+    KnownError(
+        key="eperm",
+        example="fuse: mount failed: Operation not permitted",
+        errno="EPERM",
+        patterns=(r"operation not permitted", r"\bEPERM\b"),
+        meaning="the kernel refused the mount (or the open of /dev/fuse) outright; three "
+                "causes, told apart in this order",
+        causes=(
+            Cause("the device cgroup does not allow c 10:229 (a hostPath /dev/fuse instead of "
+                  "the plugin's allocation)",
+                  "`exec 3<>/dev/fuse` in the container already fails with Operation not "
+                  "permitted: it is not the mount at all",
+                  "drop the hostPath volume and request `github.com/fuse: 1`"),
+            Cause("no CAP_SYS_ADMIN in the mounting process",
+                  "opening /dev/fuse works, but `grep CapEff /proc/self/status` lacks bit 21 "
+                  "(`capsh --decode=<value>` shows no cap_sys_admin)",
+                  "`securityContext.capabilities.add: [SYS_ADMIN]` (Pod Security `baseline` "
+                  "forbids it: the namespace needs `privileged`); non-root daemons also need "
+                  "`allowPrivilegeEscalation: true` for fusermount3"),
+            Cause("the seccomp profile lacks mount/umount2 (RuntimeDefault, or a Localhost "
+                  "profile copied from Docker's, whose capability conditions containerd drops)",
+                  "/dev/fuse opens and CapEff has SYS_ADMIN, yet mount fails; `grep Seccomp "
+                  "/proc/self/status` prints 2",
+                  "`seccompProfile: {type: Localhost, localhostProfile: "
+                  "fuse-device-plugin/<preset>.json}`; `doctor` checks it is on the node"),
+        )),
+    KnownError(
+        key="eacces",
+        example="fuse: mount failed: Permission denied",
+        errno="EACCES",
+        patterns=(r"permission denied", r"\bEACCES\b"),
+        meaning="a security policy or the device node's mode denied access",
+        causes=(
+            Cause("the runtime's default AppArmor profile ends in `deny mount`, which beats "
+                  "any capability",
+                  "`cat /proc/self/attr/current` in the container names the runtime default "
+                  "(cri-containerd.apparmor.d, docker-default); the node's kernel log has "
+                  "`apparmor=\"DENIED\" operation=\"mount\"`",
+                  "`appArmorProfile: {type: Localhost, localhostProfile: "
+                  "fuse-device-plugin-<preset>}` (installed by `install-profiles`; `doctor` "
+                  "shows it loaded), not Unconfined"),
+            Cause("/dev/fuse is mode 0600 and the process is not host root (non-root user, or "
+                  "a user-namespaced pod)",
+                  "`ls -l /dev/fuse` in the container shows crw-------",
+                  "make the node's /dev/fuse 0666 (udev rule `KERNEL==\"fuse\", MODE=\"0666\"`)"),
+        )),
+)
+
+
+def explain(message: str) -> list[KnownError]:
+    """The entries that explain ``message``, most specific first; empty when none does."""
+    found: list[KnownError] = []
+    for entry in ERRORS:
+        if entry.matches(message):
+            found.append(entry)
+            if entry.final:
+                break
+    return found
+
+
+def markdown() -> str:
+    """The table as Markdown, for docs that must say the same as ``doctor --explain``."""
+    rows = ["| Message | errno | Cause | How to tell | Fix |", "|---|---|---|---|---|"]
+    for entry in ERRORS:
+        for cause in entry.causes:
+            cells = [f"`{entry.example}`", entry.errno or "-", cause.cause, cause.tell, cause.fix]
+            rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows) + "\n"
