@@ -21,8 +21,9 @@ permissions} from Allocate              "c"|"b", major, minor, fileMode, uid, gi
                                         default rules (``DEFAULT_DEVICE_RULES``: null,
                                         random, full, tty, zero, urandom, console, pts,
                                         ptmx, tun); the plugin's rules come after them.
-                                        There is no ``c *:* m`` rule: mknod of any other
-                                        device is refused by the devices cgroup.
+                                        runc itself then appends its own defaults, among
+                                        them ``c *:* m`` and ``b *:* m``: mknod of any node
+                                        succeeds, but opening it is refused (EPERM).
 Mount{host_path, container_path,        a bind mount: ``{destination: container_path,
 read_only} from Allocate; volumes       type: bind, source: host_path, options: [rbind,
                                         rprivate, ro|rw]}``
@@ -44,7 +45,8 @@ privileged: false                       ``/dev`` is a fresh tmpfs with only runc
                                         /sys paths; /sys and /sys/fs/cgroup read-only
 privileged: true (the control only)     every device node of the host /dev (here: a fake
                                         host /dev directory), ``{allow: true, access:
-                                        "rwm"}``, all capabilities, no seccomp, no masks
+                                        "rwm"}``, all capabilities the runtime has, no
+                                        seccomp, no masks, writable /sys
 resources.limits memory / cpuset        ``linux.resources.memory.limit``,
                                         ``linux.resources.cpu.cpus``
 hostUsers: false                        a user namespace: ``uidMappings``/``gidMappings``
@@ -102,6 +104,7 @@ DEFAULT_CAPABILITIES = (
     "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
     "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
 )
+# Every capability, in bit order (CAP_CHOWN is bit 0).
 ALL_CAPABILITIES = (
     "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID",
     "CAP_KILL", "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_LINUX_IMMUTABLE",
@@ -247,9 +250,19 @@ def load_seccomp(profile: str | Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def runtime_capabilities() -> list[str]:
+    """What a privileged container gets: every capability in the runtime's own bounding
+    set (containerd reads its own; a runtime inside a container may lack some)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapBnd:"):
+            mask = int(line.split()[1], 16)
+            return [c for bit, c in enumerate(ALL_CAPABILITIES) if mask >> bit & 1]
+    return list(ALL_CAPABILITIES)
+
+
 def _capabilities(request: ContainerRequest) -> list[str]:
     if request.privileged:
-        return list(ALL_CAPABILITIES)
+        return runtime_capabilities()
     caps = [c for c in DEFAULT_CAPABILITIES if c not in request.drop_capabilities]
     caps += [c for c in request.add_capabilities
              if c not in caps and c not in request.drop_capabilities]
@@ -433,7 +446,7 @@ def _is_fusectl() -> bool:
 def fuse_connections_of(pid: int) -> set[int]:
     """fusectl connection numbers of the FUSE mounts in ``pid``'s mount namespace: the
     minor of the superblock's device (``0:N``) in its mountinfo."""
-    found = set()
+    found: set[int] = set()
     try:
         text = Path(f"/proc/{pid}/mountinfo").read_text()
     except OSError:
@@ -441,11 +454,15 @@ def fuse_connections_of(pid: int) -> set[int]:
     for line in text.splitlines():
         left, _, right = line.partition(" - ")
         fstype = right.split(" ", 1)[0]
-        if fstype == "fuse" or fstype.startswith(("fuse.", "fuseblk")):
+        if _is_fuse(fstype):
             major, _, minor = left.split()[2].partition(":")
             if major == "0":
                 found.add(int(minor))
     return found
+
+
+def _is_fuse(fstype: str) -> bool:
+    return fstype in ("fuse", "fuseblk") or fstype.startswith(("fuse.", "fuseblk."))
 
 
 def abort_fuse_connection(number: int) -> bool:
@@ -663,9 +680,9 @@ class Container:
                 aborted.add(number)
         return aborted
 
-    def mounts(self, fstype_prefix: str = "fuse") -> list[tuple[str, str]]:
-        """(mount point, fstype) of the init process's mounts whose type starts so."""
-        found = []
+    def mounts(self) -> list[tuple[str, str]]:
+        """(mount point, fstype) of the FUSE mounts in the container's mount namespace."""
+        found: list[tuple[str, str]] = []
         try:
             text = Path(f"/proc/{self.pid}/mountinfo").read_text()
         except OSError:
@@ -673,6 +690,6 @@ class Container:
         for line in text.splitlines():
             left, _, right = line.partition(" - ")
             fstype = right.split(" ", 1)[0]
-            if fstype.startswith(fstype_prefix):
+            if _is_fuse(fstype):
                 found.append((left.split()[4], fstype))
         return found

@@ -90,7 +90,7 @@ class Moto:
         raise RuntimeError(f"moto_server did not start: {(self.workdir / 'moto.log').read_text()}")
 
     def client(self) -> Any:
-        import boto3
+        import boto3  # type: ignore[import-untyped]
 
         return boto3.client("s3", endpoint_url=self.url, region_name=self.REGION,
                             aws_access_key_id=self.ACCESS_KEY,
