@@ -447,16 +447,18 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             env = config.env_name(flag)
             parser.add_argument(flag, type=kind, default=os.environ.get(env, default),
                                 help=f"{help_text} (env {env}; default: {default})")
-    parser.add_argument("--root", type=config.absolute_path, default=Path("/"),
+    parser.add_argument("--root", type=config.absolute_path, default=Path("/"), metavar="DIR",
                         help="read every node path under this directory, e.g. /host in a pod "
                              "that mounts the node's / there (default: /)")
-    parser.add_argument("--seccomp-dir", type=config.absolute_path, default=DEFAULT_SECCOMP_DIR,
+    parser.add_argument("--seccomp-dir", type=config.absolute_path, metavar="DIR",
+                        default=DEFAULT_SECCOMP_DIR,
                         help=f"where install-profiles puts seccomp profiles "
                              f"(default: {DEFAULT_SECCOMP_DIR})")
     parser.add_argument("--preset", action="append", choices=PRESETS,
                         help="a profile preset this node must have (repeatable); missing ones "
                              "then fail. Default: all presets, missing ones warn")
     parser.add_argument("--output", type=config.choice(OUTPUTS), default="text",
+                        metavar="{text,json}",
                         help="text (a table) or json")
     parser.add_argument("--explain", metavar="MESSAGE",
                         help="explain a FUSE error message instead of checking the node")
