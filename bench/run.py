@@ -1,0 +1,759 @@
+"""Benchmarks what the kubelet and a node feel, against targets (issue 7).
+
+Run from the repository root::
+
+    .venv/bin/python -m bench            # full run, a few minutes
+    .venv/bin/python -m bench --quick    # smoke run, well under a minute
+
+Everything is measured against the real ``fuse-device-plugin serve`` process, with the
+kubelet stand-in (``fuse_plugin.standin``) in this process over real unix sockets, on a
+fake node in a temp dir (a real char device 10:229 made with mknod, so: root). Every
+figure is also taken against the floor (``bench/floor.py``: a bare grpcio server that
+answers constants) with the same client code, so the table shows how far from the floor
+each one is. Prints a table with median, p99 and PASS/FAIL per target; writes JSON to
+``bench/results/latest.json`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import stat
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from fuse_plugin.api import api_pb2 as api
+from fuse_plugin.api import api_pb2_grpc
+from fuse_plugin.config import API_VERSION
+from fuse_plugin.devices import slot_ids
+from fuse_plugin.standin import KubeletStandIn
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "latest.json"
+RESOURCE = "github.com/fuse"
+FLOOR_RESOURCE = "bench.floor/fuse"
+FLOOR_SOCKET = "bench.floor.sock"
+MIB = 1024 * 1024
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+RPC_TIMEOUT = 5.0
+WAIT = 10.0
+# Exit code when the run completed but a target was missed (a crash exits 1).
+EXIT_TARGET_MISSED = 3
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much of each thing one run does; --quick shrinks all of it."""
+
+    rereg: int = 40
+    starts: int = 10
+    health: int = 40
+    streams: int = 4
+    seq_calls: int = 3000
+    seq_rounds: int = 3
+    conc_clients: int = 32
+    conc_seconds: float = 2.0
+    conc_rounds: int = 3
+    scale_slots: tuple[int, ...] = (10, 1000, 10_000)
+    scale_streams: int = 20
+    scale_calls: int = 2000
+    mem_allocates: int = 100_000
+    mem_restarts: int = 1000
+    mem_budget: float = 150.0  # seconds for both memory loops together, at most
+    slots: int = 1000
+
+
+FULL = Sizes()
+QUICK = Sizes(rereg=5, starts=2, health=5, seq_calls=300, seq_rounds=1, conc_seconds=0.5,
+              conc_rounds=1, scale_streams=3, scale_calls=200, mem_allocates=2000,
+              mem_restarts=20, mem_budget=30.0)
+
+
+# -- numbers -----------------------------------------------------------------------------
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100)."""
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(rank) - 1]
+
+
+def summary(values_s: list[float]) -> dict[str, Any]:
+    """Median and p99 in milliseconds of samples given in seconds."""
+    ms = [v * 1000 for v in values_s]
+    return {"median_ms": round(statistics.median(ms), 4), "p99_ms": round(percentile(ms, 99), 4),
+            "min_ms": round(min(ms), 4), "max_ms": round(max(ms), 4), "n": len(ms)}
+
+
+# -- the fake node and the processes -----------------------------------------------------
+
+@dataclass
+class Node:
+    root: Path
+    plugin_dir: Path
+    device: Path
+
+    def remove_device(self) -> None:
+        self.device.unlink()
+
+    def restore_device(self) -> None:
+        os.mknod(self.device, 0o600 | stat.S_IFCHR, os.makedev(10, 229))
+
+
+@contextmanager
+def fake_node() -> Iterator[Node]:
+    root = Path(tempfile.mkdtemp(prefix="fuse-bench-"))
+    try:
+        node = Node(root, root / "device-plugins", root / "dev" / "fuse")
+        node.plugin_dir.mkdir()
+        node.device.parent.mkdir()
+        node.restore_device()
+        yield node
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen[bytes]
+    log: Path
+    socket: Path
+    resource: str
+    started: float
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def rss_mib(self) -> float:
+        return _status_kib(self.pid, "VmRSS") / 1024
+
+    def status(self) -> dict[str, int]:
+        keys = ("VmRSS", "RssAnon", "RssFile", "Threads")
+        return {k: _status_kib(self.pid, k) for k in keys}
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+
+
+def _status_kib(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def plugin_command() -> list[str]:
+    exe = Path(sys.executable).parent / "fuse-device-plugin"
+    if exe.exists():
+        return [str(exe)]
+    return [sys.executable, "-m", "fuse_plugin"]
+
+
+def start_plugin(node: Node, slots: int) -> Proc:
+    log = node.root / f"plugin-{time.monotonic_ns()}.log"
+    argv = [*plugin_command(), "serve", "--device-plugin-dir", str(node.plugin_dir),
+            "--fuse-device", str(node.device), "--slots", str(slots)]
+    with log.open("wb") as out:
+        started = time.perf_counter()
+        popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    return Proc(popen, log, node.plugin_dir / (RESOURCE.replace("/", "_") + ".sock"), RESOURCE,
+                started)
+
+
+def write_floor_constants(directory: Path, device: Path, slots: int) -> None:
+    """The floor's answers, serialised here so the floor process imports only grpc."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ids = slot_ids(slots)
+    blobs = {
+        "options": api.DevicePluginOptions(get_preferred_allocation_available=True),
+        "allocate": api.AllocateResponse(container_responses=[api.ContainerAllocateResponse(
+            devices=[api.DeviceSpec(container_path="/dev/fuse", host_path=str(device),
+                                    permissions="rw")])]),
+        "healthy": api.ListAndWatchResponse(
+            devices=[api.Device(ID=i, health="Healthy") for i in ids]),
+        "unhealthy": api.ListAndWatchResponse(
+            devices=[api.Device(ID=i, health="Unhealthy") for i in ids]),
+        "register": api.RegisterRequest(
+            version=API_VERSION, endpoint=FLOOR_SOCKET, resource_name=FLOOR_RESOURCE,
+            options=api.DevicePluginOptions(get_preferred_allocation_available=True)),
+    }
+    for name, message in blobs.items():
+        (directory / f"{name}.bin").write_bytes(message.SerializeToString())
+
+
+def start_floor(node: Node, slots: int, watch: bool) -> Proc:
+    consts = node.root / f"floor-consts-{slots}"
+    if not consts.exists():
+        write_floor_constants(consts, node.device, slots)
+    log = node.root / f"floor-{time.monotonic_ns()}.log"
+    sock = node.plugin_dir / FLOOR_SOCKET
+    argv = [sys.executable, str(HERE / "floor.py"), str(sock), str(consts)]
+    if watch:
+        argv += ["--watch", str(node.device)]
+    env = {**os.environ, "GRPC_VERBOSITY": "ERROR"}
+    with log.open("wb") as out:
+        started = time.perf_counter()
+        popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return Proc(popen, log, sock, FLOOR_RESOURCE, started)
+
+
+Starter = Callable[[Node, int], Proc]
+
+
+def plugin_starter(node: Node, slots: int) -> Proc:
+    return start_plugin(node, slots)
+
+
+def floor_starter(node: Node, slots: int) -> Proc:
+    return start_floor(node, slots, watch=False)
+
+
+def floor_watch_starter(node: Node, slots: int) -> Proc:
+    return start_floor(node, slots, watch=True)
+
+
+@contextmanager
+def running(node: Node, start: Starter, slots: int,
+            kubelet: KubeletStandIn | None = None) -> Iterator[tuple[Proc, KubeletStandIn]]:
+    """A stand-in and a started process that has registered and listed its devices."""
+    own = kubelet is None
+    standin = kubelet or KubeletStandIn(node.plugin_dir).start()
+    proc = start(node, slots)
+    try:
+        count = len(standin.registrations) + 1
+        standin.wait_registered(count, WAIT)
+        standin.wait_devices(proc.resource, lambda d: len(d) == slots, WAIT)
+        yield proc, standin
+    finally:
+        proc.stop()
+        if own:
+            standin.close()
+
+
+def channel_to(proc: Proc) -> grpc.Channel:
+    return grpc.insecure_channel(f"unix://{proc.socket}")
+
+
+ALLOCATE = api.AllocateRequest(container_requests=[api.ContainerAllocateRequest(
+    devices_ids=["fuse-1"])])
+
+
+def settle(proc: Proc, seconds: float = 0.3) -> None:
+    """Let start-up work finish before a memory reading."""
+    time.sleep(seconds)
+    if proc.popen.poll() is not None:
+        raise RuntimeError(f"process {proc.pid} exited: {proc.log.read_text()[-2000:]}")
+
+
+# -- 1. re-registration after a kubelet restart ------------------------------------------
+
+def measure_reregistration(kubelet: KubeletStandIn, proc: Proc, runs: int) -> dict[str, Any]:
+    received, answered, listed = [], [], []
+    for _ in range(runs):
+        count = len(kubelet.registrations) + 1
+        kubelet.restart()
+        registration = kubelet.wait_registered(count, WAIT)
+        kubelet.wait_devices(proc.resource, bool, WAIT)
+        done = time.perf_counter()
+        received.append(registration.received - kubelet.started_at)
+        answered.append(registration.answered - kubelet.started_at)
+        listed.append(done - kubelet.started_at)
+    return {"answered": summary(answered), "received": summary(received),
+            "listed": summary(listed)}
+
+
+# -- 2. process start to registered ------------------------------------------------------
+
+def measure_start(node: Node, start: Starter, slots: int, runs: int) -> dict[str, Any]:
+    samples = []
+    with KubeletStandIn(node.plugin_dir) as kubelet:
+        for _ in range(runs):
+            count = len(kubelet.registrations) + 1
+            proc = start(node, slots)
+            try:
+                registration = kubelet.wait_registered(count, WAIT)
+                samples.append(registration.answered - proc.started)
+                kubelet.wait_devices(proc.resource, lambda d: len(d) == slots, WAIT)
+            finally:
+                proc.stop()
+    return summary(samples)
+
+
+# -- 3. health: device node removed and restored -----------------------------------------
+
+class _Watcher:
+    """Open ListAndWatch streams straight on the plugin's socket; stamps each message."""
+
+    def __init__(self, proc: Proc, streams: int) -> None:
+        self._cond = threading.Condition()
+        self._latest: list[tuple[float, str]] = [(0.0, "")] * streams
+        self._channels = [channel_to(proc) for _ in range(streams)]
+        self._calls = [api_pb2_grpc.DevicePluginStub(c).ListAndWatch(api.Empty())
+                       for c in self._channels]
+        self._threads = [threading.Thread(target=self._read, args=(i,), daemon=True)
+                         for i in range(streams)]
+        for thread in self._threads:
+            thread.start()
+
+    def _read(self, index: int) -> None:
+        with suppress(grpc.RpcError):
+            for message in self._calls[index]:
+                arrived = time.perf_counter()
+                with self._cond:
+                    self._latest[index] = (arrived, message.devices[0].health)
+                    self._cond.notify_all()
+
+    def wait_all(self, health: str, after: float) -> float:
+        """When the last stream got ``health`` (a message that arrived after ``after``)."""
+        def ready() -> bool:
+            return all(h == health and t >= after for t, h in self._latest)
+        with self._cond:
+            if not self._cond.wait_for(ready, WAIT):
+                raise TimeoutError(f"streams did not all show {health}: {self._latest}")
+            return max(t for t, _ in self._latest)
+
+    def close(self) -> None:
+        for call in self._calls:
+            call.cancel()
+        for channel in self._channels:
+            channel.close()
+        for thread in self._threads:
+            thread.join(5)
+
+
+def measure_health(node: Node, kubelet: KubeletStandIn, proc: Proc, runs: int,
+                   streams: int) -> dict[str, Any]:
+    watcher = _Watcher(proc, streams)
+    down, up = [], []
+    try:
+        watcher.wait_all("Healthy", 0.0)
+        for _ in range(runs):
+            started = time.perf_counter()
+            node.remove_device()
+            down.append(watcher.wait_all("Unhealthy", started) - started)
+            kubelet.wait_devices(proc.resource, lambda d: d.get("fuse-0") == "Unhealthy", WAIT)
+            time.sleep(0.005)
+            started = time.perf_counter()
+            node.restore_device()
+            up.append(watcher.wait_all("Healthy", started) - started)
+            kubelet.wait_devices(proc.resource, lambda d: d.get("fuse-0") == "Healthy", WAIT)
+            time.sleep(0.005)
+    finally:
+        watcher.close()
+    return {"unhealthy": summary(down), "healthy": summary(up), "streams": streams + 1}
+
+
+# -- 4. Allocate latency and throughput --------------------------------------------------
+
+def allocate_sequential(proc: Proc, calls: int, rounds: int) -> dict[str, Any]:
+    """The kubelet's pattern: one channel, one Allocate at a time."""
+    samples: list[float] = []
+    cpu = 0.0
+    elapsed = 0.0
+    with channel_to(proc) as channel:
+        allocate = api_pb2_grpc.DevicePluginStub(channel).Allocate
+        for _ in range(200):  # warm up the channel and the server's threads
+            allocate(ALLOCATE, timeout=RPC_TIMEOUT)
+        for _ in range(rounds):
+            cpu_before = proc.cpu_seconds()
+            started = time.perf_counter()
+            for _ in range(calls):
+                t = time.perf_counter()
+                allocate(ALLOCATE, timeout=RPC_TIMEOUT)
+                samples.append(time.perf_counter() - t)
+            elapsed += time.perf_counter() - started
+            cpu += proc.cpu_seconds() - cpu_before
+    result = summary(samples)
+    result["per_second"] = round(len(samples) / elapsed)
+    result["server_cpu_us"] = round(cpu / len(samples) * 1e6, 1)
+    return result
+
+
+class _Clients:
+    """``count`` client threads, each with its own channel, each with one call in flight."""
+
+    def __init__(self, proc: Proc, count: int) -> None:
+        self.channels = [channel_to(proc) for _ in range(count)]
+        self.stubs = [api_pb2_grpc.DevicePluginStub(c).Allocate for c in self.channels]
+        for allocate in self.stubs:
+            for _ in range(5):
+                allocate(ALLOCATE, timeout=RPC_TIMEOUT)
+
+    def round(self, seconds: float) -> tuple[list[float], float]:
+        """All clients call until the deadline; returns latencies and the elapsed time."""
+        count = len(self.stubs)
+        barrier = threading.Barrier(count + 1)
+        samples: list[list[float]] = [[] for _ in range(count)]
+        deadline = [0.0]
+
+        def client(index: int) -> None:
+            allocate, mine = self.stubs[index], samples[index]
+            barrier.wait()
+            end = deadline[0]
+            while (t := time.perf_counter()) < end:
+                allocate(ALLOCATE, timeout=RPC_TIMEOUT)
+                mine.append(time.perf_counter() - t)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(count)]
+        for thread in threads:
+            thread.start()
+        started = time.perf_counter()
+        deadline[0] = started + seconds
+        barrier.wait()
+        for thread in threads:
+            thread.join()
+        return [x for mine in samples for x in mine], time.perf_counter() - started
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+
+
+def allocate_concurrent(proc: Proc, clients: int, seconds: float, rounds: int,
+                        ) -> dict[str, Any]:
+    """``clients`` threads, each with its own channel, each with one Allocate in flight."""
+    samples: list[float] = []
+    elapsed = cpu = 0.0
+    pool = _Clients(proc, clients)
+    try:
+        for _ in range(rounds):
+            cpu_before = proc.cpu_seconds()
+            latencies, took = pool.round(seconds)
+            cpu += proc.cpu_seconds() - cpu_before
+            samples += latencies
+            elapsed += took
+    finally:
+        pool.close()
+    result = summary(samples)
+    result["per_second"] = round(len(samples) / elapsed)
+    result["server_cpu_us"] = round(cpu / max(1, len(samples)) * 1e6, 1)
+    result["clients"] = clients
+    # Little's law: with every client always waiting, the mean latency can be no lower
+    # than clients / throughput, whatever the server does with its time.
+    result["queueing_bound_ms"] = round(clients / result["per_second"] * 1000, 3)
+    return result
+
+
+# -- 5. scale: slot count vs ListAndWatch and Allocate -----------------------------------
+
+def measure_list(proc: Proc, streams: int) -> dict[str, Any]:
+    """Open a ListAndWatch stream, time the first full list, close it; repeat."""
+    samples = []
+    size = 0
+    with channel_to(proc) as channel:
+        stub = api_pb2_grpc.DevicePluginStub(channel)
+        for _ in range(streams):
+            started = time.perf_counter()
+            call = stub.ListAndWatch(api.Empty(), timeout=WAIT)
+            first = next(call)
+            samples.append(time.perf_counter() - started)
+            size = first.ByteSize()
+            call.cancel()
+    result = summary(samples)
+    result["bytes"] = size
+    return result
+
+
+def measure_scale(start: Starter, sizes: Sizes) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for slots in sizes.scale_slots:
+        with fake_node() as node, running(node, start, slots) as (proc, _):
+            out[str(slots)] = {
+                "list": measure_list(proc, sizes.scale_streams),
+                "allocate": allocate_sequential(proc, sizes.scale_calls, 1),
+            }
+    return out
+
+
+# -- 6. memory ---------------------------------------------------------------------------
+
+def memory_soak(kubelet: KubeletStandIn, proc: Proc, sizes: Sizes) -> dict[str, Any]:
+    """RSS after start, then halfway and after N Allocates and M kubelet restarts."""
+    deadline = time.monotonic() + sizes.mem_budget
+    out: dict[str, Any] = {"start": proc.status()}
+
+    def allocates(count: int, clients: int = 8) -> int:
+        done = [0] * clients
+        def client(index: int) -> None:
+            with channel_to(proc) as channel:
+                allocate = api_pb2_grpc.DevicePluginStub(channel).Allocate
+                for _ in range(count // clients):
+                    if time.monotonic() > deadline:
+                        return
+                    allocate(ALLOCATE, timeout=RPC_TIMEOUT)
+                    done[index] += 1
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return sum(done)
+
+    def restarts(count: int) -> int:
+        done = 0
+        for _ in range(count):
+            if time.monotonic() > deadline:
+                break
+            registrations = len(kubelet.registrations) + 1
+            kubelet.restart()
+            kubelet.wait_registered(registrations, WAIT)
+            kubelet.wait_devices(proc.resource, bool, WAIT)
+            done += 1
+        return done
+
+    half = sizes.mem_allocates // 2
+    out["allocates"] = allocates(half)
+    out["allocates_half"] = proc.status()
+    out["allocates"] += allocates(sizes.mem_allocates - half)
+    out["allocates_done"] = proc.status()
+    half = sizes.mem_restarts // 2
+    out["restarts"] = restarts(half)
+    out["restarts_half"] = proc.status()
+    out["restarts"] += restarts(sizes.mem_restarts - half)
+    time.sleep(0.3)
+    out["restarts_done"] = proc.status()
+    return out
+
+
+# -- putting it together -----------------------------------------------------------------
+
+def measure_process(start: Starter, watch_start: Starter, sizes: Sizes,
+                    progress: Callable[[str], None], soak: bool) -> dict[str, Any]:
+    """Every figure for one implementation (the plugin, or the floor)."""
+    out: dict[str, Any] = {}
+    progress("start -> registered")
+    with fake_node() as node:
+        out["start"] = measure_start(node, start, sizes.slots, sizes.starts)
+    progress("re-registration and health")
+    with fake_node() as node, running(node, watch_start, sizes.slots) as (proc, kubelet):
+        out["reregister"] = measure_reregistration(kubelet, proc, sizes.rereg)
+        out["health"] = measure_health(node, kubelet, proc, sizes.health, sizes.streams)
+    progress("Allocate")
+    with fake_node() as node, running(node, start, sizes.slots) as (proc, kubelet):
+        settle(proc)
+        rss_start = proc.status()
+        out["allocate_sequential"] = allocate_sequential(proc, sizes.seq_calls, sizes.seq_rounds)
+        out["allocate_concurrent"] = allocate_concurrent(
+            proc, sizes.conc_clients, sizes.conc_seconds, sizes.conc_rounds)
+        if soak:
+            progress("memory soak (Allocates, then kubelet restarts)")
+            out["memory"] = memory_soak(kubelet, proc, sizes)
+            out["memory"]["start"] = rss_start
+        else:
+            out["memory"] = {"start": rss_start, "allocates_done": proc.status()}
+    progress("scale")
+    out["scale"] = measure_scale(start, sizes)
+    return out
+
+
+@dataclass
+class Row:
+    figure: str
+    median: float | None
+    p99: float | None
+    unit: str
+    floor_median: float | None = None
+    floor_p99: float | None = None
+    target: str = ""
+    ok: bool | None = None
+    key: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _ms(stats: dict[str, Any]) -> tuple[float, float]:
+    return stats["median_ms"], stats["p99_ms"]
+
+
+def build_rows(plugin: dict[str, Any], floor: dict[str, Any], sizes: Sizes) -> list[Row]:
+    rows: list[Row] = []
+
+    def timing(key: str, figure: str, ours: dict[str, Any], base: dict[str, Any] | None,
+               *, limit: float | None = None, on: str = "p99") -> None:
+        median, p99 = _ms(ours)
+        fmed, fp99 = _ms(base) if base else (None, None)
+        ok = None
+        target = ""
+        if limit is not None:
+            ok = (median if on == "median" else p99) <= limit
+            target = f"{on} <= {limit:g} ms"
+        rows.append(Row(figure, median, p99, "ms", fmed, fp99, target, ok, key))
+
+    rr, frr = plugin["reregister"], floor["reregister"]
+    timing("reregister", "1. kubelet.sock appears -> Register answered (incl. dial-back)",
+           rr["answered"], frr["answered"], limit=25, on="median")
+    timing("reregister_received", "   ... -> Register received", rr["received"],
+           frr["received"])
+    timing("reregister_listed", "   ... -> devices listed to the kubelet again", rr["listed"],
+           frr["listed"])
+    timing("start", "2. process start -> registered", plugin["start"], floor["start"], limit=1000)
+    h, fh = plugin["health"], floor["health"]
+    n = h["streams"]
+    timing("health_unhealthy", f"3. device removed -> Unhealthy on all {n} streams",
+           h["unhealthy"], fh["unhealthy"], limit=25)
+    timing("health_healthy", f"   device restored -> Healthy on all {n} streams", h["healthy"],
+           fh["healthy"], limit=25)
+    seq, fseq = plugin["allocate_sequential"], floor["allocate_sequential"]
+    conc, fconc = plugin["allocate_concurrent"], floor["allocate_concurrent"]
+    timing("allocate_sequential", "4. Allocate, 1 client sequential", seq, fseq, limit=1)
+    timing("allocate_concurrent", f"   Allocate, {conc['clients']} concurrent clients", conc,
+           fconc, limit=5)
+    rows.append(Row("   throughput, sequential", seq["per_second"], None, "/s",
+                    fseq["per_second"], key="throughput_sequential"))
+    rows.append(Row(f"   throughput, {conc['clients']} clients", conc["per_second"], None, "/s",
+                    fconc["per_second"], key="throughput_concurrent"))
+    rows.append(Row("   server CPU per Allocate (sequential)", seq["server_cpu_us"], None, "us",
+                    fseq["server_cpu_us"], key="allocate_cpu"))
+    scale, fscale = plugin["scale"], floor["scale"]
+    smallest, largest = str(min(sizes.scale_slots)), str(max(sizes.scale_slots))
+    for slots in (str(s) for s in sizes.scale_slots):
+        ours, base = scale[slots], fscale[slots]
+        timing(f"scale_{slots}_list",
+               f"5. {int(slots):,} slots: ListAndWatch first list ({ours['list']['bytes']:,} B)",
+               ours["list"], base["list"])
+        ok = None
+        target = ""
+        if slots == largest:
+            # Allocate must not grow with slots: within 25% (or 0.1 ms) of the smallest.
+            low = scale[smallest]["allocate"]["median_ms"]
+            ok = ours["allocate"]["median_ms"] <= max(low * 1.25, low + 0.1)
+            target = f"median <= {smallest}-slot median +25%"
+        median, p99 = _ms(ours["allocate"])
+        fmed, fp99 = _ms(base["allocate"])
+        rows.append(Row(f"   {int(slots):,} slots: Allocate", median, p99, "ms", fmed, fp99,
+                        target, ok, f"scale_{slots}_allocate"))
+    mem, fmem = plugin["memory"], floor["memory"]
+    fstart = fmem["start"]["VmRSS"] / 1024
+    fafter = fmem["allocates_done"]["VmRSS"] / 1024
+    for key, label, floor_value in (
+            ("start", "6. RSS after start", fstart),
+            ("allocates_done", f"   RSS after {mem.get('allocates', 0):,} Allocates",
+             fafter),
+            ("restarts_done", f"   RSS after {mem.get('restarts', 0):,} kubelet restarts",
+             None)):
+        if key in mem:
+            value = mem[key]["VmRSS"] / 1024
+            rows.append(Row(label, round(value, 1), None, "MiB",
+                            round(floor_value, 1) if floor_value else None,
+                            target="<= 40 MiB", ok=value <= 40, key=f"rss_{key}"))
+    if "restarts_done" in mem:
+        # Flat: the second half of each loop adds at most 1 MiB (no leak per call).
+        grow_alloc = (mem["allocates_done"]["VmRSS"] - mem["allocates_half"]["VmRSS"]) / 1024
+        grow_restart = (mem["restarts_done"]["VmRSS"] - mem["restarts_half"]["VmRSS"]) / 1024
+        growth = max(grow_alloc, grow_restart)
+        rows.append(Row("   RSS growth over each loop's 2nd half", round(growth, 2), None,
+                        "MiB", target="<= 1 MiB (flat)", ok=growth <= 1, key="rss_growth",
+                        extra={"allocates": round(grow_alloc, 2),
+                               "restarts": round(grow_restart, 2)}))
+    return rows
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit in ("/s",):
+        return f"{value:,.0f}{unit}"
+    if unit == "us":
+        return f"{value:.0f} us"
+    if unit == "MiB":
+        return f"{value:.1f} MiB"
+    return f"{value:.3f}" if value < 10 else f"{value:.1f}"
+
+
+def table(rows: list[Row]) -> str:
+    head = ("figure (ms unless shown)", "median", "p99", "floor med", "floor p99", "x floor",
+            "target", "result")
+    lines = []
+    for row in rows:
+        ratio = ""
+        if row.median is not None and row.floor_median:
+            ratio = f"{row.median / row.floor_median:.2f}x"
+        result = "" if row.ok is None else ("PASS" if row.ok else "FAIL")
+        lines.append((row.figure, _fmt(row.median, row.unit), _fmt(row.p99, row.unit),
+                      _fmt(row.floor_median, row.unit), _fmt(row.floor_p99, row.unit), ratio,
+                      row.target, result))
+    widths = [max(len(str(r[i])) for r in [head, *lines]) for i in range(len(head))]
+    out = []
+    for i, line in enumerate([head, *lines]):
+        out.append("  ".join(str(c).ljust(w) if j in (0, 6) else str(c).rjust(w)
+                             for j, (c, w) in enumerate(zip(line, widths, strict=True))).rstrip())
+        if i == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small smoke run (seconds)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON path ({RESULTS})")
+    parser.add_argument("--skip-floor", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench: needs root (the fake node's FUSE device is made with mknod)",
+              file=sys.stderr)
+        return 2
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    sizes = QUICK if args.quick else FULL
+    began = time.monotonic()
+    load_before = os.getloadavg()
+
+    def progress(what: str) -> None:
+        print(f"[{time.monotonic() - began:6.1f}s] {what}", file=sys.stderr, flush=True)
+
+    progress("plugin")
+    plugin = measure_process(plugin_starter, plugin_starter, sizes, progress, soak=True)
+    progress("floor")
+    floor = measure_process(floor_starter, floor_watch_starter, sizes, progress, soak=False)
+    rows = build_rows(plugin, floor, sizes)
+    targets = [r for r in rows if r.ok is not None]
+    result = {
+        "mode": "quick" if args.quick else "full",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "seconds": round(time.monotonic() - began, 1),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "grpcio": grpc.__version__, "kernel": platform.release(),
+                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "sizes": {k: getattr(sizes, k) for k in sizes.__dataclass_fields__},
+        "figures": {r.key: {"figure": r.figure.strip(" .").strip(), "median": r.median,
+                            "p99": r.p99, "unit": r.unit, "floor_median": r.floor_median,
+                            "floor_p99": r.floor_p99, "target": r.target or None,
+                            "pass": r.ok, **r.extra} for r in rows},
+        "passed": sum(1 for r in targets if r.ok),
+        "failed": [r.key for r in targets if not r.ok],
+        "raw": {"plugin": plugin, "floor": floor},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(rows))
+    busy = max(load_before[0], os.getloadavg()[0])
+    if busy > (os.cpu_count() or 1) * 0.75:
+        print(f"\nwarning: the machine was busy (1-minute load {busy:.1f} on {os.cpu_count()} "
+              "CPUs): timings include waiting for a CPU; re-run on a quiet machine")
+    print(f"\n{result['passed']}/{len(targets)} targets met in {result['seconds']} s "
+          f"({result['mode']} run); JSON written to {args.out}")
+    return 0 if not result["failed"] else EXIT_TARGET_MISSED
