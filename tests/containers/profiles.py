@@ -1,6 +1,7 @@
-"""Seccomp profiles and capabilities for the containers, from the project's generator
-(``fuse_plugin.profiles``): ``render_seccomp(preset)`` and each preset's capabilities and
-extra system calls.
+"""Seccomp profiles and capabilities for the containers, from the project's generator:
+the profile a node gets (``fuse-device-plugin profile seccomp --preset P``, the same text
+as ``fuse_plugin.profiles.render_seccomp``), and each preset's capabilities and extra
+system calls (``fuse_plugin.profiles.presets``).
 
 ``runtime_default()`` is the control: the generator's allow-list without any preset's
 additions, i.e. what a pod gets from the runtime default (built from the ``generic``
@@ -10,8 +11,11 @@ profile, whose only additions are ``mount`` and ``umount2``, by removing them).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from functools import cache
 
-from fuse_plugin.profiles import presets, render_seccomp
+from fuse_plugin.profiles import presets
 
 PRESETS = tuple(presets.PRESETS)
 
@@ -26,15 +30,21 @@ def extra_syscalls(preset: str) -> tuple[str, ...]:
     return presets.get(preset).syscalls
 
 
+@cache
 def seccomp(preset: str) -> str:
-    """The preset's profile as OCI JSON text, exactly as the generator renders it."""
-    return render_seccomp(preset)
+    """The preset's profile as OCI JSON text, as ``profile seccomp`` prints it."""
+    result = subprocess.run(
+        [sys.executable, "-m", "fuse_plugin", "profile", "seccomp", "--preset", preset],
+        capture_output=True, text=True, timeout=60, check=False)
+    if result.returncode != 0:
+        raise AssertionError(f"profile seccomp --preset {preset} failed: {result.stderr}")
+    return result.stdout
 
 
 def runtime_default() -> str:
     """The generated allow-list minus every preset's additions (mount, umount2, unshare,
     setns, pivot_root, chroot): the runtime-default control."""
-    profile = json.loads(render_seccomp("generic"))
+    profile = json.loads(seccomp("generic"))
     extras = {name for preset in PRESETS for name in extra_syscalls(preset)}
     for rule in profile["syscalls"]:
         if rule.get("action") == "SCMP_ACT_ALLOW":

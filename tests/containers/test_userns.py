@@ -1,8 +1,9 @@
 """The user-namespace variant (``hostUsers: false``): the container's root is host uid
 100000, CAP_SYS_ADMIN counts only inside its namespaces. runc then bind-mounts the
 host's /dev/fuse instead of making a node, so the host node's mode decides: with 0600
-(a node without udev) the open is refused; with 0666 (udev's default) sshfs mounts and
-works. The devices cgroup still applies. The host node's mode is always restored."""
+(a node without udev) the open is refused; with 0666 (udev's default) sshfs and s3fs
+mount and work; lxcfs does not get that far. The devices cgroup still applies. The
+host node's mode is always restored."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ OPEN_EPERM = "fuse: failed to open /dev/fuse: Operation not permitted"
 
 
 @pytest.fixture
-def fuse_mode() -> Iterator[Callable[[int], None]]:
+def fuse_mode(machine: None) -> Iterator[Callable[[int], None]]:
     """Set the host /dev/fuse's mode for one test; the original is always put back."""
     original = stat.S_IMODE(FUSE.stat().st_mode)
     try:
