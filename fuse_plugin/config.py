@@ -45,6 +45,8 @@ class Settings:
     log_level: str = "info"
     metrics_port: int = 0
     metrics_address: str = "0.0.0.0"
+    cdi: bool = False
+    cdi_dir: Path = Path("/var/run/cdi")
 
     @property
     def socket_name(self) -> str:
@@ -111,6 +113,13 @@ def address(text: str) -> str:
     return text
 
 
+def boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("true", "false", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
+    return value in ("true", "1", "yes")
+
+
 def absolute_path(text: str) -> Path:
     if not text or "\0" in text or not text.startswith("/"):
         raise argparse.ArgumentTypeError(f"must be an absolute path, got {text!r}")
@@ -141,6 +150,9 @@ SERVE_FLAGS: tuple[tuple[str, Callable[[str], object], object, str], ...] = (
     ("--metrics-port", port, 0,
      "serve /metrics, /healthz and /readyz on this port; 0 turns it off"),
     ("--metrics-address", address, "0.0.0.0", "address the metrics port binds to"),
+    ("--cdi", boolean, False,
+     "also write a CDI spec and answer Allocate with its device name (Kubernetes 1.28+)"),
+    ("--cdi-dir", absolute_path, Path("/var/run/cdi"), "where the CDI spec is written"),
 )
 
 
@@ -173,7 +185,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         if env in os.environ:
             value = _FromEnv(os.environ[env])
             value.env = env
-        parser.add_argument(flag, type=_checked(kind), default=value,
+        # A boolean flag may stand alone (`--cdi`) or take a value (`--cdi false`).
+        extra: dict[str, object] = {"nargs": "?", "const": True} if kind is boolean else {}
+        parser.add_argument(flag, type=_checked(kind), default=value, **extra,  # type: ignore[arg-type]
                             help=f"{help_text} (env {env}; default: {default})")
 
 
@@ -187,4 +201,6 @@ def from_args(args: argparse.Namespace) -> Settings:
         log_level=args.log_level,
         metrics_port=args.metrics_port,
         metrics_address=args.metrics_address,
+        cdi=args.cdi,
+        cdi_dir=args.cdi_dir,
     )

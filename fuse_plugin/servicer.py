@@ -32,7 +32,8 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
     """Answers the kubelet from ``DeviceState``; responses are prebuilt where they can be."""
 
     def __init__(self, state: DeviceState, log: logging.Logger,
-                 on_allocate: Callable[[int, float], None] | None = None) -> None:
+                 on_allocate: Callable[[int, float], None] | None = None,
+                 cdi_device: str | None = None) -> None:
         self._state = state
         self._log = log
         # Called with (containers, seconds) after each successful Allocate (metrics).
@@ -48,8 +49,12 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
                 devices=[api.Device(ID=i, health=health.value) for i in state.ids])
             for health in Health
         }
-        self._container = api.ContainerAllocateResponse(devices=[api.DeviceSpec(
-            container_path=CONTAINER_DEVICE, host_path=str(state.device), permissions="rw")])
+        # With CDI the runtime may edit the container from the spec instead; the DeviceSpec
+        # stays so that runtimes without CDI still get the device.
+        self._container = api.ContainerAllocateResponse(
+            devices=[api.DeviceSpec(container_path=CONTAINER_DEVICE,
+                                    host_path=str(state.device), permissions="rw")],
+            cdi_devices=[api.CDIDevice(name=cdi_device)] if cdi_device else [])
 
     @property
     def open_streams(self) -> int:

@@ -70,8 +70,10 @@ def _answers(port: int) -> bool:
 def test_probes_follow_registration_and_device_health(node: Node,
                                                       plugin: tuple[PluginProcess, int]) -> None:
     _, port = plugin
-    code, body = get(port, "/readyz")
-    assert (code, body.strip()) == (503, "not registered with the kubelet")
+    # Serving but no kubelet yet: alive, not ready.
+    eventually(lambda: get(port, "/readyz") == (503, "not registered with the kubelet\n"),
+               "readyz saying it is not registered")
+    assert get(port, "/healthz")[0] == 200
     with KubeletStandIn(node.plugin_dir) as kubelet:
         kubelet.wait_registered()
         eventually(lambda: get(port, "/readyz")[0] == 200, "readyz turning 200")
@@ -122,3 +124,19 @@ def test_metrics_port_in_use_is_a_clear_error(start_plugin: StartPlugin) -> None
         assert process.proc.wait(30) == 1
     assert f"cannot serve metrics on 127.0.0.1:{port}: Address already in use" in process.log
     assert "Traceback" not in process.log
+
+
+def test_cdi_spec_written_allocate_names_it_and_removed_on_stop(
+        node: Node, kubelet: KubeletStandIn, start_plugin: StartPlugin) -> None:
+    cdi_dir = node.root / "cdi"
+    plugin = start_plugin("--cdi", "--cdi-dir", str(cdi_dir))
+    kubelet.wait_registered()
+    spec = cdi_dir / "github.com-fuse.json"
+    assert spec.exists(), plugin.log
+    response = kubelet.allocate(RESOURCE, [["fuse-0"]])
+    container = response.container_responses[0]
+    assert [d.name for d in container.cdi_devices] == ["github.com/fuse=fuse"]
+    assert container.devices[0].container_path == "/dev/fuse"
+    assert plugin.terminate() == 0
+    assert not spec.exists()
+    assert list(cdi_dir.iterdir()) == []
