@@ -269,15 +269,15 @@ class Installer:
                 loaded = self.runner([parser, "-r", "-K", str(temp)])
                 if loaded.returncode != 0:
                     raise Rejected(f"the kernel refused it: {_parser_error(loaded)}")
+                if not self._is_loaded(name):
+                    raise Rejected(f"loaded, but {self.paths.loaded_profiles} does not list "
+                                   "it in enforce mode")
             files.commit(temp, dest)
         except (Rejected, OSError, subprocess.SubprocessError) as err:
             files.discard(temp)
             if isinstance(err, Rejected):
                 raise
             raise Rejected(f"{parser} failed: {err}") from None
-        if has_apparmor and not self._is_loaded(name):
-            raise Rejected(f"loaded, but {self.paths.loaded_profiles} does not list it "
-                           "in enforce mode")
         logs.event(self.log, "profile_installed", kind="apparmor", profile=name, path=str(dest),
                    loaded=has_apparmor)
         return True
