@@ -1,0 +1,41 @@
+# fuse-device-plugin: one image for both DaemonSets in manifests/ - the plugin
+# (`serve`, the default) and the profile installer (`install-profiles`).
+#
+#   docker build -t fuse-device-plugin:0.1.0 .
+#
+# Stage 1 builds the wheel; stage 2 is a slim Python with only that wheel, its runtime
+# dependencies (all binary wheels: no compiler) and apparmor_parser. No build tools, pip
+# cache or apt lists are left in the final image.
+
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM ${PYTHON_IMAGE} AS builder
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY fuse_plugin ./fuse_plugin
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM ${PYTHON_IMAGE}
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="fuse-device-plugin" \
+      org.opencontainers.image.description="Kubernetes device plugin that gives pods /dev/fuse (github.com/fuse) without privileged: true, plus least-privilege AppArmor and seccomp profiles" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# apparmor_parser: `install-profiles` loads the AppArmor profiles with it. The plugin
+# never runs it (and has no capability that would let it load anything).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends apparmor \
+    && rm -rf /var/lib/apt/lists/*
+COPY --from=builder /wheels/fuse_device_plugin-0.1.0-py3-none-any.whl /tmp/
+RUN pip install --no-cache-dir /tmp/fuse_device_plugin-0.1.0-py3-none-any.whl \
+    && rm /tmp/fuse_device_plugin-0.1.0-py3-none-any.whl \
+    && fuse-device-plugin --version
+# Runs as root on purpose: the kubelet's device-plugin directory is root-owned, and the
+# manifests drop every capability. The kubelet stops pods with SIGTERM; the plugin
+# removes its socket and exits on it.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["fuse-device-plugin"]
+CMD ["serve"]

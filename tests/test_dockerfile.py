@@ -1,0 +1,220 @@
+"""The Dockerfile, checked without a container engine: it parses into the two stages the
+issue asks for, the wheel it copies is the one ``pip wheel .`` builds, and the image's
+entrypoint is the package's console script."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shlex
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from fuse_plugin import __version__, cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Instruction:
+    keyword: str
+    value: str
+    line: int
+
+
+@dataclass
+class Stage:
+    base: str
+    name: str
+    instructions: list[Instruction] = field(default_factory=list)
+
+    def all(self, keyword: str) -> list[Instruction]:
+        return [i for i in self.instructions if i.keyword == keyword]
+
+
+def parse(text: str) -> tuple[dict[str, str], list[Stage]]:
+    """Instructions with continuations joined, comments dropped, grouped by stage.
+
+    Enough of the Dockerfile grammar for ours: no heredocs, no parser directives other
+    than comments. Global ARGs (before the first FROM) are returned with their defaults.
+    """
+    args: dict[str, str] = {}
+    stages: list[Stage] = []
+    pending, start = "", 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):
+            continue
+        if not pending:
+            start = number
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        full = (pending + line).strip()
+        pending = ""
+        keyword, _, value = full.partition(" ")
+        keyword = keyword.upper()
+        if keyword not in KEYWORDS:
+            raise ValueError(f"line {start}: unknown instruction {keyword!r}")
+        if keyword == "FROM":
+            words = value.split()
+            name = words[2] if len(words) == 3 and words[1].upper() == "AS" else ""
+            stages.append(Stage(words[0], name))
+        elif not stages:
+            if keyword != "ARG":
+                raise ValueError(f"line {start}: {keyword} before the first FROM")
+            key, _, default = value.partition("=")
+            args[key] = default
+        else:
+            stages[-1].instructions.append(Instruction(keyword, value.strip(), start))
+    if pending:
+        raise ValueError("the file ends inside a line continuation")
+    return args, stages
+
+
+KEYWORDS = {"FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT",
+            "VOLUME", "USER", "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK",
+            "SHELL", "MAINTAINER"}
+
+GLOBAL_ARGS, STAGES = parse((ROOT / "Dockerfile").read_text())
+BUILDER, RUNTIME = STAGES if len(STAGES) == 2 else (None, None)
+
+
+def project_version() -> str:
+    match = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert match, "pyproject.toml has no version"
+    return match.group(1)
+
+
+def expected_wheel() -> str:
+    match = re.search(r'^name = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert match, "pyproject.toml has no name"
+    # Wheel file names normalise the project name (PEP 427 / PEP 503).
+    name = re.sub(r"[-_.]+", "_", match.group(1)).lower()
+    return f"{name}-{project_version()}-py3-none-any.whl"
+
+
+def exec_form(instruction: Instruction) -> list[str]:
+    value: object = json.loads(instruction.value)
+    assert isinstance(value, list), f"line {instruction.line}: use the JSON (exec) form"
+    return [str(v) for v in value]
+
+
+def test_parser_rejects_what_it_does_not_understand() -> None:
+    with pytest.raises(ValueError, match="unknown instruction"):
+        parse("FROM x\nRUNN true\n")
+    with pytest.raises(ValueError, match="continuation"):
+        parse("FROM x\nRUN true \\\n")
+
+
+def test_two_stages_builder_then_slim_runtime() -> None:
+    assert len(STAGES) == 2
+    assert BUILDER is not None
+    assert RUNTIME is not None
+    assert BUILDER.name == "builder"
+    assert BUILDER.base == RUNTIME.base == "${PYTHON_IMAGE}"
+    assert GLOBAL_ARGS["PYTHON_IMAGE"] == "python:3.11-slim"
+
+
+def test_builder_builds_only_our_wheel_from_what_dockerignore_lets_in() -> None:
+    assert BUILDER is not None
+    (wheel,) = [i.value for i in BUILDER.all("RUN") if "pip wheel" in i.value]
+    words = shlex.split(wheel)
+    assert {"--no-deps", "--no-cache-dir"} <= set(words)
+    assert words[-1] == "."
+    ignore = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    assert ignore[0] == "*", ".dockerignore is an allow-list"
+    for copy in BUILDER.all("COPY"):
+        for source in shlex.split(copy.value)[:-1]:
+            assert source.rstrip("/") in allowed, f"{source} is excluded by .dockerignore"
+            assert (ROOT / source).exists()
+    for excluded in (".venv", ".git", "tests", "bench"):
+        assert not any(fnmatch.fnmatch(excluded, a) for a in allowed)
+
+
+def test_runtime_copies_the_wheel_pip_builds(tmp_path: Path) -> None:
+    assert RUNTIME is not None
+    (copy,) = RUNTIME.all("COPY")
+    words = shlex.split(copy.value)
+    assert words[0] == "--from=builder"
+    copied = Path(words[1]).name
+    assert copied == expected_wheel()
+    # The builder stage's own command (isolated build: setuptools comes from PyPI).
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps",
+         "--no-cache-dir", "--quiet", "--wheel-dir", str(tmp_path), str(ROOT)],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert built.returncode == 0, built.stderr
+    wheels = [p.name for p in tmp_path.glob("*.whl")]
+    assert wheels == [copied]
+    (install,) = [i.value for i in RUNTIME.all("RUN") if "pip install" in i.value]
+    assert f"/tmp/{copied}" in install
+    assert "--no-cache-dir" in install
+    with zipfile.ZipFile(tmp_path / copied) as wheel:
+        names = wheel.namelist()
+        entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+        scripts = wheel.read(entry_points).decode()
+    assert re.search(r"^fuse-device-plugin = fuse_plugin\.cli:main$", scripts, re.M)
+    # Package data the image needs at run time: the generated stubs and the syscall lists.
+    assert "fuse_plugin/api/api_pb2.py" in names
+    assert "fuse_plugin/profiles/runtime_default_syscalls.txt" in names
+    assert not any("/tests/" in n or n.startswith("tests/") for n in names)
+
+
+def test_runtime_has_no_compilers_or_caches() -> None:
+    assert RUNTIME is not None
+    for run in RUNTIME.all("RUN"):
+        for tool in ("build-essential", "gcc", "g++", "make ", "python3-dev"):
+            assert tool not in run.value, f"line {run.line}: {tool.strip()} in the image"
+        if "apt-get install" in run.value:
+            assert "--no-install-recommends" in run.value
+            assert "rm -rf /var/lib/apt/lists/*" in run.value
+        if "pip install" in run.value:
+            assert "--no-cache-dir" in run.value
+    # install-profiles runs apparmor_parser.
+    assert any("apt-get install" in r.value and " apparmor" in r.value
+               for r in RUNTIME.all("RUN"))
+
+
+def test_entrypoint_is_the_console_script_and_runs_serve() -> None:
+    assert RUNTIME is not None
+    (entrypoint,) = RUNTIME.all("ENTRYPOINT")
+    (command,) = RUNTIME.all("CMD")
+    assert exec_form(entrypoint) == ["fuse-device-plugin"]
+    assert exec_form(command) == ["serve"]
+    assert cli.build_parser().parse_args(exec_form(command)).command == "serve"
+    scripts = re.search(r"\[project\.scripts\]\n(.*?)\n\n",
+                        (ROOT / "pyproject.toml").read_text(), re.S)
+    assert scripts
+    assert 'fuse-device-plugin = "fuse_plugin.cli:main"' in scripts.group(1)
+    (stop,) = RUNTIME.all("STOPSIGNAL")
+    assert stop.value == "SIGTERM"
+
+
+def test_labels_carry_the_project_version() -> None:
+    assert RUNTIME is not None
+    labels = " ".join(i.value for i in RUNTIME.all("LABEL"))
+    for key in ("title", "description", "version", "licenses"):
+        assert f"org.opencontainers.image.{key}=" in labels
+    (version_arg,) = [i.value for i in RUNTIME.all("ARG") if i.value.startswith("VERSION=")]
+    assert version_arg == f"VERSION={project_version()}" == f"VERSION={__version__}"
+    assert 'org.opencontainers.image.version="${VERSION}"' in labels
+
+
+def test_example_tool_image_dockerfile() -> None:
+    _, stages = parse((ROOT / "manifests" / "examples" / "Dockerfile").read_text())
+    (stage,) = stages
+    assert stage.base.startswith("debian:")
+    (run,) = stage.all("RUN")
+    assert "--no-install-recommends" in run.value
+    assert "rm -rf /var/lib/apt/lists/*" in run.value
