@@ -379,9 +379,6 @@ def seccomp_profiles(kube_node: Any) -> Iterator[dict[str, str]]:
     negative control, the same profile without our additions (mount, umount2)."""
     helps = [plugin_cli("profile", "seccomp", "--help"), plugin_cli("install-profiles", "--help")]
     missing = [h for h in helps if h.returncode != 0]
-    if missing and os.environ.get("FDP_E2E_SECCOMP_PROTOTYPE") == "1":
-        yield from _prototype_profiles()
-        return
     assert not missing, (
         "expected the plugin's `profile seccomp` and `install-profiles` commands (issue 3); got:\n"
         + "\n".join(h.stderr.strip() for h in missing)
@@ -406,6 +403,9 @@ def seccomp_profiles(kube_node: Any) -> Iterator[dict[str, str]]:
         str(src),
         "--seccomp-dir",
         str(dest),
+        # no AppArmor profiles in DIR; keep the installer away from /etc/apparmor.d anyway
+        "--apparmor-dir",
+        str(nodemod.STATE / "apparmor.d"),
     ]
     if "--once" in helps[1].stdout:
         r = subprocess.run(
@@ -441,53 +441,6 @@ def seccomp_profiles(kube_node: Any) -> Iterator[dict[str, str]]:
     }
     if not existed:
         shutil.rmtree(dest, ignore_errors=True)
-
-
-# A stop-gap for developing this stage before issue 3's commands exist (opt-in via
-# FDP_E2E_SECCOMP_PROTOTYPE=1; never used otherwise): a hand-made OCI profile, default
-# errno, an allow-list of common syscalls plus mount/umount2.
-_PROTO_ALLOW = """
-accept accept4 access alarm arch_prctl bind brk capget capset chdir chmod chown clock_getres
-clock_gettime clock_nanosleep clone clone3 close close_range connect copy_file_range creat dup
-dup2 dup3 epoll_create epoll_create1 epoll_ctl epoll_pwait epoll_wait eventfd eventfd2 execve
-execveat exit exit_group faccessat faccessat2 fadvise64 fallocate fchdir fchmod fchmodat fchown
-fchownat fcntl fdatasync fgetxattr flistxattr flock fork fstat fstatfs fsync ftruncate futex
-getcwd getdents getdents64 getegid geteuid getgid getgroups getitimer getpeername getpgid
-getpgrp getpid getppid getpriority getrandom getresgid getresuid getrlimit get_robust_list
-getrusage getsid getsockname getsockopt gettid gettimeofday getuid getxattr ioctl kill lchown
-lgetxattr link linkat listen listxattr llistxattr lseek lstat madvise memfd_create mkdir mkdirat
-mknod mknodat mmap mprotect mremap msync munmap nanosleep newfstatat open openat openat2 pause
-pipe pipe2 poll ppoll prctl pread64 preadv preadv2 prlimit64 pselect6 pwrite64 pwritev pwritev2
-read readahead readlink readlinkat readv recvfrom recvmmsg recvmsg rename renameat renameat2
-restart_syscall rmdir rseq rt_sigaction rt_sigpending rt_sigprocmask rt_sigqueueinfo
-rt_sigreturn rt_sigsuspend rt_sigtimedwait rt_tgsigqueueinfo sched_getaffinity sched_yield
-select sendfile sendmmsg sendmsg sendto setgid setgroups setitimer setpgid setpriority setregid
-setresgid setresuid setreuid setrlimit set_robust_list setsid setsockopt set_tid_address setuid
-shutdown sigaltstack socket socketpair splice stat statfs statx symlink symlinkat sync
-sync_file_range syncfs sysinfo tee tgkill time timer_create timer_delete timerfd_create
-timerfd_gettime timerfd_settime timer_getoverrun timer_gettime timer_settime times tkill
-truncate umask uname unlink unlinkat utime utimensat utimes vfork wait4 waitid write writev
-""".split()  # noqa: SIM905
-
-
-def _prototype_profiles() -> Iterator[dict[str, str]]:
-    dest = nodemod.SECCOMP_ROOT / "fdp-e2e-prototype"
-    dest.mkdir(parents=True, exist_ok=True)
-    for name, extra in [("sshfs.json", ["mount", "umount2"]), ("sshfs-without-mount.json", [])]:
-        prof = {
-            "defaultAction": "SCMP_ACT_ERRNO",
-            "architectures": ["SCMP_ARCH_X86_64"],
-            "syscalls": [{"names": _PROTO_ALLOW + extra, "action": "SCMP_ACT_ALLOW"}],
-        }
-        (dest / name).write_text(json.dumps(prof, indent=1))
-    evidence(
-        "3", f"PROTOTYPE seccomp profiles (FDP_E2E_SECCOMP_PROTOTYPE=1), not our generator: {dest}"
-    )
-    yield {
-        "sshfs": "fdp-e2e-prototype/sshfs.json",
-        "without_mount": "fdp-e2e-prototype/sshfs-without-mount.json",
-    }
-    shutil.rmtree(dest, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- scenarios
