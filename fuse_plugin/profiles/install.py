@@ -207,16 +207,19 @@ class Installer:
     def _parser(self) -> str | None:
         if os.sep in self.paths.parser:
             return self.paths.parser if os.access(self.paths.parser, os.X_OK) else None
-        return shutil.which(self.paths.parser)
+        # apparmor_parser lives in /usr/sbin, which a non-root PATH may lack.
+        return shutil.which(self.paths.parser) or shutil.which(self.paths.parser,
+                                                                 path="/usr/sbin:/sbin")
 
     def _read_sources(self) -> list[tuple[str, bytes]]:
         directory = snapshot_dir(self.paths.source)
-        found = []
-        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-            if entry.name.startswith(".") or not entry.is_file():
-                continue
-            found.append((entry.name, (directory / entry.name).read_bytes()))
-        return found
+        try:
+            return _read_dir(directory)
+        except FileNotFoundError:
+            if directory == self.paths.source:
+                raise
+            # The kubelet deletes the previous snapshot right after a swap: read the new one.
+            return _read_dir(snapshot_dir(self.paths.source))
 
     def _install_seccomp(self, name: str, data: bytes) -> bool:
         _check_name(name.removesuffix(".json"))
@@ -342,6 +345,12 @@ class _Wake(FileSystemEventHandler):
         # Our own reads of the source files show up as open/close events: not changes.
         if event.event_type not in _IGNORED_EVENTS:
             self.changed.set()
+
+
+def _read_dir(directory: Path) -> list[tuple[str, bytes]]:
+    return [(entry.name, (directory / entry.name).read_bytes())
+            for entry in sorted(os.scandir(directory), key=lambda e: e.name)
+            if not entry.name.startswith(".") and entry.is_file()]
 
 
 def _check_name(name: str) -> None:
