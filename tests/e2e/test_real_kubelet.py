@@ -259,19 +259,27 @@ def kube_node() -> Iterator[Any]:
 
 
 def wait_registered(node: Any, since: int, when: str) -> list[str]:
-    """The kubelet's own log: registration accepted and the device list pushed."""
+    """The kubelet's own log: registration accepted and the device list pushed; then the
+    registration must stay up."""
+    reg = re.compile(
+        r'Got registration request from device plugin with resource name "github.com/fuse"'
+    )
+    push = re.compile(r"State pushed for device plugin github.com/fuse")
 
-    def seen() -> list[str] | None:
-        lines = kubelet_lines(
-            since,
-            r'Got registration request from device plugin with resource name "github.com/fuse"',
-            r"State pushed for device plugin github.com/fuse",
-        )
-        regs = [ln for ln in lines if "Got registration request" in ln]
-        pushed = [ln for ln in lines if "State pushed" in ln]
-        return regs[-1:] + pushed[-1:] if regs and pushed else None
+    def seen() -> tuple[list[str], int] | None:
+        text = nodemod.read_log(KUBELET_LOG, since)
+        m = reg.search(text)
+        p = push.search(text, m.end()) if m else None
+        if not (m and p):
+            return None
+        line_end = text.find("\n", p.end())
+        end = len(text) if line_end < 0 else line_end + 1
+        lines = [
+            text[text.rfind("\n", 0, x.start()) + 1 : text.find("\n", x.end())] for x in (m, p)
+        ]
+        return lines, since + len(text[:end].encode())
 
-    lines: list[str] = nodemod.wait_for(
+    found: tuple[list[str], int] = nodemod.wait_for(
         seen,
         45,
         f"the kubelet to log the registration of {RESOURCE} ({when})",
@@ -280,17 +288,18 @@ def wait_registered(node: Any, since: int, when: str) -> list[str]:
             nodemod.tail(KUBELET_LOG, 30) + "\n" + nodemod.tail(nodemod.LOGDIR / "plugin.log", 20)
         ),
     )
-    assert_registration_stable(lines[-1], when)
+    lines, offset = found
+    assert_registration_stable(lines[-1], offset, when)
     return lines
 
 
 STABLE_WINDOW = 3.0
 
 
-def assert_registration_stable(after_line: str, when: str) -> None:
+def assert_registration_stable(after_line: str, since: int, when: str) -> None:
     """Once registered, the kubelet's endpoint must stay up: no 'listAndWatch ended
-    unexpectedly' (which marks every device unhealthy) in the following seconds."""
-    since = nodemod.log_size(KUBELET_LOG)
+    unexpectedly' (which marks every device unhealthy) and no second registration in the
+    seconds after the first one was pushed (from log offset since)."""
     deadline = time.monotonic() + STABLE_WINDOW
     while time.monotonic() < deadline:
         churn = kubelet_lines(
