@@ -144,8 +144,12 @@ class Lifecycle:
         try:
             while not self._stop.is_set():
                 self._wake.clear()
-                if self._need_serve:
+                if self._need_serve and not self._serving_our_socket():
                     self._serve()
+                self._need_serve = False
+                if self._need_register and self._registered_with_this_kubelet():
+                    # A late event for the kubelet.sock we already registered with.
+                    self._need_register = False
                 if self._need_register and self._kubelet_present():
                     if self._register():
                         backoff = BACKOFF_FIRST
@@ -171,15 +175,32 @@ class Lifecycle:
         self._observer.daemon = True
         self._observer.start()
 
+    def _registered_with_this_kubelet(self) -> bool:
+        """A second Register to the same kubelet makes it drop and re-open our stream."""
+        return self.status.registered and \
+            _identity(self.settings.kubelet_socket) == self._kubelet_seen
+
     def _kubelet_present(self) -> bool:
         return self.settings.kubelet_socket.exists()
 
+    def _serving_our_socket(self) -> bool:
+        """True when the socket file is the one our running server bound.
+
+        Deletion events arrive after the fact, and we delete socket files ourselves (the
+        stale one at start, the old one when re-serving): an event only means "re-serve"
+        if the file at the path is no longer ours.
+        """
+        return self._server is not None and \
+            _identity(self.settings.socket_path) == self._our_socket
+
     def _serve(self) -> None:
         """(Re)create our socket and serve on it; a stale file from a crash is removed."""
-        self._need_serve = False
         started = time.perf_counter()
         if self._server is not None:
-            self._server.stop(grace=None)
+            # gRPC unlinks a unix socket's path when its listener shuts down: wait for
+            # that to finish, or it would delete the socket the new server binds.
+            self._server.stop(grace=None).wait()
+            self._server = None
         path = self.settings.socket_path
         try:
             path.unlink()

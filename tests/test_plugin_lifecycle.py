@@ -43,7 +43,10 @@ def test_plugin_up_before_the_kubelet(node: Node, start_plugin: StartPlugin) -> 
     with KubeletStandIn(node.plugin_dir) as kubelet:
         kubelet.wait_registered()
         kubelet.wait_devices(RESOURCE, all_health("Healthy"))
-    assert "register.failed" not in plugin.log
+        assert kubelet.allocate(RESOURCE, [["fuse-0"]]).container_responses
+        # One kubelet, one Register: a second one would make the kubelet drop our stream.
+        assert len(kubelet.registrations) == 1, plugin.log
+    assert plugin.proc.poll() is None
 
 
 def test_kubelet_restarted_twenty_times_in_a_row(kubelet: KubeletStandIn,
@@ -57,6 +60,10 @@ def test_kubelet_restarted_twenty_times_in_a_row(kubelet: KubeletStandIn,
         kubelet.wait_devices(RESOURCE, all_health("Healthy"))
     assert socket_files(kubelet.directory) == sorted(["kubelet.sock", SOCKET])
     assert plugin.log.count("kubelet.restart_seen") == 20
+    # Exactly one serve and one registration per kubelet start: no re-serve loop.
+    kubelet.allocate(RESOURCE, [["fuse-0"]])
+    assert len(kubelet.registrations) == 21, plugin.log
+    assert plugin.log.count(" serving ") == 21, plugin.log
 
 
 def test_kubelet_refusing_register_is_retried(kubelet: KubeletStandIn,
@@ -143,6 +150,14 @@ def test_restart_after_sigkill_replaces_the_stale_socket(
     kubelet.wait_registered(2)
     kubelet.wait_devices(RESOURCE, all_health("Healthy"))
     assert "socket.stale_removed" in second.log
+    # Removing the stale file must not start a loop of re-serving on our own deletes:
+    # one kubelet restart later, the plugin has served twice and registered twice.
+    kubelet.restart()
+    kubelet.wait_registered(3)
+    kubelet.wait_devices(RESOURCE, all_health("Healthy"))
+    assert kubelet.allocate(RESOURCE, [["fuse-0"]]).container_responses
+    assert len(kubelet.registrations) == 3, second.log
+    assert second.log.count(" serving ") == 2, second.log
 
 
 def test_json_logs_are_one_object_per_line(kubelet: KubeletStandIn,
