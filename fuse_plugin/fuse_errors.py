@@ -53,6 +53,9 @@ _ENOENT = r"no such file|\bENOENT\b"
 _EPERM = r"not permitted|\bEPERM\b"
 _EACCES = r"permission denied|\bEACCES\b"
 _ERRNOS = (_ENOENT, _EPERM, _EACCES)
+_ERRNO_TEXT = {_ENOENT: ("No such file or directory", "ENOENT"),
+               _EPERM: ("Operation not permitted", "EPERM"),
+               _EACCES: ("Permission denied", "EACCES")}
 
 _RESOURCE_FIX = ("request the device: `resources.limits: {github.com/fuse: 1}`; if the node "
                  "has no github.com/fuse capacity (`kubectl describe node`), run "
@@ -169,8 +172,10 @@ ERRORS: tuple[KnownError, ...] = (
                   "`securityContext.capabilities.add: [SYS_ADMIN]` (Pod Security `baseline` "
                   "forbids it: the namespace needs `privileged`); non-root daemons also need "
                   "`allowPrivilegeEscalation: true` for fusermount3"),
-            Cause("the seccomp profile lacks mount/umount2 (RuntimeDefault, or a Localhost "
-                  "profile copied from Docker's, whose capability conditions containerd drops)",
+            Cause("the seccomp profile lacks mount/umount2: a Localhost profile without them "
+                  "(one copied from Docker's default loses its CAP_SYS_ADMIN conditions "
+                  "under containerd), or RuntimeDefault on a runtime that does not widen it "
+                  "for SYS_ADMIN (containerd 1.6 does, and then AppArmor decides)",
                   "/dev/fuse opens and CapEff has SYS_ADMIN, yet mount fails; `grep Seccomp "
                   "/proc/self/status` prints 2",
                   "`seccompProfile: {type: Localhost, localhostProfile: "
@@ -215,6 +220,10 @@ def markdown() -> str:
     rows = ["| Message | errno | Cause | How to tell | Fix |", "|---|---|---|---|---|"]
     for entry in ERRORS:
         for cause in entry.causes:
-            cells = [f"`{entry.example}`", entry.errno or "-", cause.cause, cause.tell, cause.fix]
+            example = entry.example
+            if cause.when:  # show the message with the errno text this cause answers
+                example = example.rsplit(": ", 1)[0] + ": " + _ERRNO_TEXT[cause.when][0]
+            errno = _ERRNO_TEXT[cause.when][1] if cause.when else entry.errno or "-"
+            cells = [f"`{example}`", errno, cause.cause, cause.tell, cause.fix]
             rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows) + "\n"

@@ -1,0 +1,33 @@
+"""The README stays true: its commands, flags and error table are the project's own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fuse_plugin import config, fuse_errors
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def test_readme_opens_with_the_two_setup_commands_ci_runs() -> None:
+    block = README.split("```sh\n", 1)[1].split("```", 1)[0].splitlines()
+    commands = [line.split("#", 1)[0].strip() for line in block]
+    assert commands == ["./scripts/install && .venv/bin/fuse-device-plugin demo",
+                        "./scripts/test"]
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci[-1] == "./scripts/test"
+    for script in ("scripts/install", "scripts/test"):
+        assert (ROOT / script).stat().st_mode & 0o111, f"{script} is not executable"
+
+
+def test_every_serve_flag_and_its_environment_twin_is_documented() -> None:
+    for flag, _, default, _ in config.SERVE_FLAGS:
+        row = f"| `{flag}` | `{config.env_name(flag)}` | `{default}` |"
+        assert row in README, f"README's flag table lacks {row}"
+
+
+def test_error_table_is_the_one_doctor_explains_from() -> None:
+    assert fuse_errors.markdown() in README, (
+        "README's error table differs from fuse_plugin/fuse_errors.py: paste "
+        "`python -c 'from fuse_plugin import fuse_errors; print(fuse_errors.markdown())'`")
