@@ -84,10 +84,10 @@ rm -f "$root/usr/sbin/policy-rc.d" "$root/etc/resolv.conf"
 umount "$root/proc"
 trap - EXIT
 
-log "fuse.ko for $krel"
+log "fuse.ko and overlay.ko for $krel"
 kmods="$work/kernel/lib/modules/$krel"
 mkdir -p "$root/lib/modules/$krel/kernel/fs"
-cp -a "$kmods/kernel/fs/fuse" "$root/lib/modules/$krel/kernel/fs/"
+cp -a "$kmods/kernel/fs/fuse" "$kmods/kernel/fs/overlayfs" "$root/lib/modules/$krel/kernel/fs/"
 cp "$kmods"/modules.order "$kmods"/modules.builtin "$kmods"/modules.builtin.modinfo "$root/lib/modules/$krel/"
 depmod -b "$root" "$krel"
 

@@ -2,19 +2,22 @@
 # Runs under the profile under test (started by aa-exec): the preset's real FUSE programs must
 # mount here, and this same confined shell's children must be refused every other mount.
 #
-#   confined.sh RUN MOUNTBASE WORKLOAD...
+#   confined.sh RUN BASE FUSETARGET SUBTYPE WORKLOAD=MOUNTPOINT...
 #
-# Prints RESULT/MOUNTINFO/LOG lines; guest-tests.sh and the host-side test read them.
+# FUSETARGET is where the raw FUSE probes mount (inside what the profile allows), SUBTYPE the
+# fuse.SUBTYPE they use (the preset's own). Prints RESULT/MOUNTINFO/LOG lines; guest-tests.sh
+# and the host-side test read them.
 set -u
 . /fdp/workloads.sh
-run=$1 base=$2
-shift 2
+run=$1 base=$2 fuse_target=$3 subtype=$4
+shift 4
 say() { echo "$1 run=$run ${*:2}"; }
 
 say RESULT "check=confined status=$(tr ' ' '_' < /proc/self/attr/current)"
 
-for w in "$@"; do
-  mp="$base/$w"
+uptime() { cut -d' ' -f1 /proc/uptime; }
+for item in "$@"; do
+  w=${item%%=*} mp=${item#*=} t0=$(uptime)
   mkdir -p "$mp"
   workload_cmd "$w" "$mp" "$run"
   "${CMD[@]}" >"/tmp/$run-$w.log" 2>&1 &
@@ -30,6 +33,7 @@ for w in "$@"; do
     *) say RESULT "check=workload:$w status=timeout" ;;
   esac
   stop_job "$mp" "$pid"
+  say TIMING "workload=$w from=$t0 to=$(uptime)"
   # The program's own words (e.g. "fuse: mount failed: Permission denied"), one line each.
   awk -v p="LOG run=$run workload=$w: " 'NF { print p $0 }' "/tmp/$run-$w.log" | tail -n 8
 done
@@ -41,17 +45,17 @@ done
 # mountpoint outside the run's base (refused only by a profile narrowed to a glob).
 fuse_data="fd=@,rootmode=40000,user_id=0,group_id=0"
 d=/mnt/deny/$run
-mkdir -p "$base/raw" "$d"/{outside,tmpfs,proc,cgroup,cgroup2,bind,fuseblk}
+mkdir -p "$fuse_target" "$d"/{outside,tmpfs,proc,cgroup,cgroup2,bind,fuseblk}
 probe() {  # probe CHECK SOURCE TARGET FSTYPE FLAGS DATA
   local out
   out=$(/fdp/mounttest "mt-$1" "${@:2}" 2>&1)
   say RESULT "check=$1 status=${out##*result=}"
 }
-probe fuse fdp "$base/raw" fuse nosuid,nodev "$fuse_data"
-probe fuse-sub fdp "$base/raw" fuse.fdptest nosuid,nodev "$fuse_data"
-probe fuse-suid fdp "$base/raw" fuse nodev "$fuse_data"
-probe fuse-dev fdp "$base/raw" fuse nosuid "$fuse_data"
-probe fuse-outside fdp "$d/outside" fuse nosuid,nodev "$fuse_data"
+probe fuse fdp "$fuse_target" fuse nosuid,nodev "$fuse_data"
+probe fuse-sub fdp "$fuse_target" "$subtype" nosuid,nodev "$fuse_data"
+probe fuse-suid fdp "$fuse_target" "$subtype" nodev "$fuse_data"
+probe fuse-dev fdp "$fuse_target" "$subtype" nosuid "$fuse_data"
+probe fuse-outside fdp "$d/outside" "$subtype" nosuid,nodev "$fuse_data"
 
 # Then what no FUSE profile may allow, each with the FUSE flags so that only the type (or the
 # bind/remount) differs. fuseblk's source must exist: AppArmor resolves a block device first.

@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
 """Boot Debian's AppArmor kernel under qemu (TCG) and run the profile tests; write the console log.
 
-    run_vm.py [--log FILE] [--handwritten] [--timeout SECONDS]
+    run_vm.py [--log FILE] [--profile RUN=FILE]... [--timeout SECONDS]
 
 Builds or reuses the cached guest (build-guest.sh), generates one AppArmor profile per preset
 with `fuse-device-plugin profile apparmor`, adds the runtime-default control, packs them with
 /init, the guest scripts and the mounttest probe into an initramfs overlay, boots, and waits for
 qemu to exit. qemu exits 0 whatever happened in the guest: the console log is the result, and
 tests/test_apparmor_vm.py judges it. Exit status: 0 when the guest ran to its end marker, 1 when
-it did not, 77 when this machine cannot run it (not root, no qemu, no gcc).
+it did not, 77 when this machine cannot run it (not root, or no qemu).
 
---handwritten uses a hand-written FUSE-only profile for every preset instead of the generator's.
+--profile RUN=FILE loads FILE (its profile must be named as RUN's) for one run: the way to try a
+rule change in the real kernel before changing the generator.
 """
 
 from __future__ import annotations
@@ -38,58 +39,77 @@ class Run:
     """One confined run in the guest: a profile and the FUSE programs to mount under it."""
 
     name: str
-    profile: str
     preset: str | None  # None: the runtime-default control, not a generated profile
     workloads: tuple[str, ...]  # must mount (under the control: must be refused)
     refused: tuple[str, ...] = ()  # real programs whose mount the profile must refuse
-    mountpoint_glob: str | None = None
+    mountpoint_glob: str | None = None  # --mountpoint for the generator
+    subtype: str = "fuse.fdptest"  # the fuse.SUBTYPE of the raw FUSE probes
+    # Where FUSE may be mounted when the preset itself narrows it (lxcfs: /var/lib/lxcfs).
+    fixed_mountpoint: str | None = None
+
+    @property
+    def profile(self) -> str:
+        return f"fdp-test-{self.name}"
 
     @property
     def base(self) -> str:
         return f"/mnt/fuse/{self.name}"
 
+    @property
+    def narrowed(self) -> bool:
+        return self.mountpoint_glob is not None or self.fixed_mountpoint is not None
+
+    def mountpoint(self, workload: str) -> str:
+        if workload == "lxcfs":
+            return LXCFS_MOUNTPOINT
+        return self.fixed_mountpoint or f"{self.base}/{workload}"
+
+    def plan_line(self) -> str:
+        """The arguments guest-tests.sh hands to confined.sh under this run's profile."""
+        fuse_target = self.fixed_mountpoint or f"{self.base}/raw"
+        programs = [f"{w}={self.mountpoint(w)}" for w in self.workloads + self.refused]
+        return " ".join([self.name, self.profile, self.base, fuse_target, self.subtype, *programs])
+
+
+LXCFS_MOUNTPOINT = "/var/lib/lxcfs"  # where lxcfs mounts on every node, and the preset allows
 
 RUNS = (
-    Run("s3fs", "fdp-test-s3fs", "s3fs", ("s3fs",)),
-    Run("sshfs", "fdp-test-sshfs", "sshfs", ("sshfs",)),
+    Run("s3fs", "s3fs", ("s3fs",), subtype="fuse.s3fs"),
+    Run("sshfs", "sshfs", ("sshfs",), subtype="fuse.sshfs"),
     # fuse-overlayfs asks for suid (its mount flags lack nosuid): no FUSE profile may grant that.
-    Run("generic", "fdp-test-generic", "generic", ("bindfs", "sshfs", "s3fs"), ("fuse-overlayfs",)),
-    Run("lxcfs", "fdp-test-lxcfs", "lxcfs", ("lxcfs",)),
+    Run("generic", "generic", ("bindfs", "sshfs", "s3fs"), ("fuse-overlayfs",)),
+    Run("lxcfs", "lxcfs", ("lxcfs",), subtype="fuse.lxcfs", fixed_mountpoint=LXCFS_MOUNTPOINT),
     # A generated profile narrowed to a mountpoint glob: FUSE under it, nowhere else.
-    Run("narrowed", "fdp-test-narrowed", "generic", ("bindfs",),
-        mountpoint_glob="/mnt/fuse/narrowed/**"),
-    Run("control", "fdp-test-control", None, ("s3fs", "sshfs", "bindfs", "lxcfs")),
+    Run("narrowed", "generic", ("bindfs",), mountpoint_glob="/mnt/fuse/narrowed/**"),
+    Run("control", None, ("s3fs", "sshfs", "bindfs", "lxcfs")),
 )
 
 
 def why_not_runnable() -> str | None:
+    """Why this machine cannot run the VM at all (the tests skip then); None when it can."""
     if os.geteuid() != 0:
-        return "needs root (debootstrap, cpio device nodes)"
-    for tool in (QEMU, "debootstrap", "cpio", "gcc"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed (scripts/apt-packages.txt lists it)"
+        return "needs root (debootstrap, device nodes in the guest root)"
+    if shutil.which(QEMU) is None:
+        return f"{QEMU} is not installed (Debian qemu-system-x86; scripts/install --dev)"
     return None
+
+
+def missing_tools() -> list[str]:
+    """Tools the build needs beyond qemu: missing ones are an install error, not a skip."""
+    return [
+        t for t in ("debootstrap", "cpio", "gcc", "dpkg-deb", "ssh-keygen") if not shutil.which(t)
+    ]
 
 
 def control_profile(name: str) -> str:
     return CONTROL_TEMPLATE.read_text().replace("@NAME@", name)
 
 
-def handwritten_profile(name: str, glob: str | None) -> str:
-    target = f" -> {glob}" if glob else ""
-    rules = "\n".join(
-        [
-            f"  mount fstype=fuse options=(rw,nosuid,nodev){target},",
-            f"  mount fstype=fuse.* options=(rw,nosuid,nodev){target},",
-            "  audit deny mount fstype=fuseblk,",
-        ]
-    )
-    return control_profile(name).replace("  deny mount,", rules)
-
-
 def generated_profile(run: Run, out: Path) -> None:
     assert run.preset is not None
-    cmd = [sys.executable, "-m", "fuse_plugin", "profile", "apparmor", "--preset", run.preset]
+    venv_python = REPO / ".venv" / "bin" / "python"
+    python = str(venv_python) if venv_python.exists() else sys.executable
+    cmd = [python, "-m", "fuse_plugin", "profile", "apparmor", "--preset", run.preset]
     cmd += ["--name", run.profile, "--output", str(out)]
     if run.mountpoint_glob:
         cmd += ["--mountpoint", run.mountpoint_glob]
@@ -98,7 +118,7 @@ def generated_profile(run: Run, out: Path) -> None:
         raise SystemExit(f"run_vm: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr}")
 
 
-def write_overlay(stage: Path, handwritten: bool) -> None:
+def write_overlay(stage: Path, overrides: dict[str, Path]) -> None:
     fdp = stage / "fdp"
     (fdp / "profiles").mkdir(parents=True)
     shutil.copy2(HERE / "init", stage / "init")
@@ -111,13 +131,13 @@ def write_overlay(stage: Path, handwritten: bool) -> None:
     plan = []
     for run in RUNS:
         out = fdp / "profiles" / run.profile
-        if run.preset is None:
+        if run.name in overrides:
+            shutil.copyfile(overrides[run.name], out)
+        elif run.preset is None:
             out.write_text(control_profile(run.profile))
-        elif handwritten:
-            out.write_text(handwritten_profile(run.profile, run.mountpoint_glob))
         else:
             generated_profile(run, out)
-        plan.append(f"{run.name} {run.profile} {run.base} {' '.join(run.workloads + run.refused)}\n")
+        plan.append(run.plan_line() + "\n")
     (fdp / "plan").write_text("".join(plan))
 
 
@@ -125,14 +145,20 @@ def pack_initrd(base_cpio: Path, stage: Path, dest: Path) -> None:
     """The cached root followed by this run's files: the kernel unpacks both archives in order."""
     names = subprocess.run(
         "find . -mindepth 1 -print0 | LC_ALL=C sort -z",
-        shell=True, cwd=stage, check=True, capture_output=True,
+        shell=True,
+        cwd=stage,
+        check=True,
+        capture_output=True,
     ).stdout
     with dest.open("wb") as out:
         with base_cpio.open("rb") as base:
             shutil.copyfileobj(base, out, 1 << 20)
         subprocess.run(
             ["cpio", "--null", "-o", "-H", "newc", "--quiet", "-R", "0:0"],
-            cwd=stage, input=names, stdout=out, check=True,
+            cwd=stage,
+            input=names,
+            stdout=out,
+            check=True,
         )
 
 
@@ -142,10 +168,30 @@ def boot(guest: Path, initrd: Path, log: Path, timeout: float) -> int:
         "log_buf_len=4M random.trust_cpu=on"
     )
     cmd = [
-        QEMU, "-accel", "tcg", "-cpu", "max", "-smp", "2", "-m", "3072",
-        "-display", "none", "-monitor", "none", "-nic", "none", "-no-reboot",
-        "-serial", f"file:{log}",
-        "-kernel", str(guest / "vmlinuz"), "-initrd", str(initrd), "-append", cmdline,
+        QEMU,
+        "-accel",
+        "tcg",
+        "-cpu",
+        "max",
+        "-smp",
+        "2",
+        "-m",
+        "3072",
+        "-display",
+        "none",
+        "-monitor",
+        "none",
+        "-nic",
+        "none",
+        "-no-reboot",
+        "-serial",
+        f"file:{log}",
+        "-kernel",
+        str(guest / "vmlinuz"),
+        "-initrd",
+        str(initrd),
+        "-append",
+        cmdline,
     ]
     try:
         return subprocess.run(cmd, timeout=timeout, check=False).returncode
@@ -158,27 +204,39 @@ def boot(guest: Path, initrd: Path, log: Path, timeout: float) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--log", type=Path, default=REPO / "build" / "apparmor-vm" / "console.log")
-    ap.add_argument("--handwritten", action="store_true")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--profile", action="append", default=[], metavar="RUN=FILE")
     args = ap.parse_args()
+    runs = {run.name for run in RUNS}
+    overrides = {}
+    for item in args.profile:
+        name, _, file = item.partition("=")
+        if name not in runs or not Path(file).is_file():
+            ap.error(f"--profile {item}: RUN is one of {sorted(runs)}, FILE an existing file")
+        overrides[name] = Path(file)
 
     reason = why_not_runnable()
     if reason:
         print(f"run_vm: skipped: {reason}", file=sys.stderr)
         return 77
+    missing = missing_tools()
+    if missing:
+        print(f"run_vm: missing {', '.join(missing)}: run scripts/install --dev", file=sys.stderr)
+        return 1
 
     t0 = time.monotonic()
-    guest = Path(
-        subprocess.run(
-            ["bash", str(HERE / "build-guest.sh")], check=True, capture_output=False,
-            stdout=subprocess.PIPE, text=True,
-        ).stdout.strip().splitlines()[-1]
+    build = subprocess.run(
+        ["bash", str(HERE / "build-guest.sh")], stdout=subprocess.PIPE, text=True, check=False
     )
+    if build.returncode != 0:
+        print(f"run_vm: build-guest.sh failed ({build.returncode})", file=sys.stderr)
+        return 1
+    guest = Path(build.stdout.split()[-1])
     t_build = time.monotonic() - t0
     args.log.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="fdp-vm-", dir=guest.parent) as tmp:
+    with tempfile.TemporaryDirectory(prefix="fdp-vm-") as tmp:
         stage = Path(tmp) / "stage"
-        write_overlay(stage, args.handwritten)
+        write_overlay(stage, overrides)
         initrd = Path(tmp) / "initrd.cpio"
         pack_initrd(guest / "rootfs.cpio", stage, initrd)
         args.log.unlink(missing_ok=True)

@@ -53,7 +53,7 @@ data_check() {
   esac
   printf '%s' "$want" > "$mp/$file" 2>/tmp/write.err || { echo "fail write: $(cat /tmp/write.err)"; return; }
   case $w in
-    s3fs) got=$(PYTHONPATH=/opt/moto python3 /fdp/s3check.py get fdp-bucket "$file" 2>&1) ;;
+    s3fs) got=$(python3 /fdp/s3check.py get fdp-bucket "$file" 2>&1) ;;
     sshfs) got=$(cat "/srv/sshfs/$file" 2>&1) ;;
     bindfs) got=$(cat "/srv/bindfs/$file" 2>&1) ;;
     fuse-overlayfs) got=$(cat "/srv/ovl/upper-$tag/$file" 2>&1) ;;
