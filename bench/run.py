@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,8 +70,9 @@ class Sizes:
     conc_seconds: float = 2.0
     conc_rounds: int = 3
     scale_slots: tuple[int, ...] = (10, 1000, 10_000)
-    scale_streams: int = 20
-    scale_calls: int = 2000
+    scale_streams: int = 30
+    scale_calls: int = 3000
+    scale_rounds: int = 10
     mem_allocates: int = 100_000
     mem_restarts: int = 1000
     mem_budget: float = 150.0  # seconds for both memory loops together, at most
@@ -80,7 +81,7 @@ class Sizes:
 
 FULL = Sizes()
 QUICK = Sizes(rereg=5, starts=2, health=5, seq_calls=300, seq_rounds=1, conc_seconds=0.5,
-              conc_rounds=1, scale_streams=3, scale_calls=200, mem_allocates=2000,
+              conc_rounds=1, scale_streams=3, scale_calls=300, scale_rounds=3, mem_allocates=2000,
               mem_restarts=20, mem_budget=30.0)
 
 
@@ -290,19 +291,22 @@ def measure_reregistration(kubelet: KubeletStandIn, proc: Proc, runs: int) -> di
 
 # -- 2. process start to registered ------------------------------------------------------
 
-def measure_start(node: Node, start: Starter, slots: int, runs: int) -> dict[str, Any]:
-    samples = []
-    with KubeletStandIn(node.plugin_dir) as kubelet:
+def measure_start(starters: dict[str, Starter], slots: int, runs: int
+                  ) -> dict[str, dict[str, Any]]:
+    """Start each implementation ``runs`` times, taking turns; stop it once registered."""
+    samples: dict[str, list[float]] = {name: [] for name in starters}
+    with fake_node() as node, KubeletStandIn(node.plugin_dir) as kubelet:
         for _ in range(runs):
-            count = len(kubelet.registrations) + 1
-            proc = start(node, slots)
-            try:
-                registration = kubelet.wait_registered(count, WAIT)
-                samples.append(registration.answered - proc.started)
-                kubelet.wait_devices(proc.resource, lambda d: len(d) == slots, WAIT)
-            finally:
-                proc.stop()
-    return summary(samples)
+            for name, start in starters.items():
+                count = len(kubelet.registrations) + 1
+                proc = start(node, slots)
+                try:
+                    registration = kubelet.wait_registered(count, WAIT)
+                    samples[name].append(registration.answered - proc.started)
+                    kubelet.wait_devices(proc.resource, lambda d: len(d) == slots, WAIT)
+                finally:
+                    proc.stop()
+    return {name: summary(values) for name, values in samples.items()}
 
 
 # -- 3. health: device node removed and restored -----------------------------------------
@@ -371,28 +375,36 @@ def measure_health(node: Node, kubelet: KubeletStandIn, proc: Proc, runs: int,
 
 # -- 4. Allocate latency and throughput --------------------------------------------------
 
-def allocate_sequential(proc: Proc, calls: int, rounds: int) -> dict[str, Any]:
-    """The kubelet's pattern: one channel, one Allocate at a time."""
-    samples: list[float] = []
-    cpu = 0.0
-    elapsed = 0.0
-    with channel_to(proc) as channel:
-        allocate = api_pb2_grpc.DevicePluginStub(channel).Allocate
-        for _ in range(200):  # warm up the channel and the server's threads
-            allocate(ALLOCATE, timeout=RPC_TIMEOUT)
+def allocate_sequential(procs: dict[str, Proc], calls: int, rounds: int
+                        ) -> dict[str, dict[str, Any]]:
+    """The kubelet's pattern: one channel, one Allocate at a time; processes take turns."""
+    samples: dict[str, list[float]] = {name: [] for name in procs}
+    cpu = dict.fromkeys(procs, 0.0)
+    elapsed = dict.fromkeys(procs, 0.0)
+    with ExitStack() as stack:
+        stubs = {}
+        for name, proc in procs.items():
+            channel = stack.enter_context(channel_to(proc))
+            stubs[name] = api_pb2_grpc.DevicePluginStub(channel).Allocate
+            for _ in range(200):  # warm up the channel and the server's threads
+                stubs[name](ALLOCATE, timeout=RPC_TIMEOUT)
         for _ in range(rounds):
-            cpu_before = proc.cpu_seconds()
-            started = time.perf_counter()
-            for _ in range(calls):
-                t = time.perf_counter()
-                allocate(ALLOCATE, timeout=RPC_TIMEOUT)
-                samples.append(time.perf_counter() - t)
-            elapsed += time.perf_counter() - started
-            cpu += proc.cpu_seconds() - cpu_before
-    result = summary(samples)
-    result["per_second"] = round(len(samples) / elapsed)
-    result["server_cpu_us"] = round(cpu / len(samples) * 1e6, 1)
-    return result
+            for name, allocate in stubs.items():
+                mine = samples[name]
+                cpu_before = procs[name].cpu_seconds()
+                started = time.perf_counter()
+                for _ in range(calls):
+                    t = time.perf_counter()
+                    allocate(ALLOCATE, timeout=RPC_TIMEOUT)
+                    mine.append(time.perf_counter() - t)
+                elapsed[name] += time.perf_counter() - started
+                cpu[name] += procs[name].cpu_seconds() - cpu_before
+    out = {}
+    for name, values in samples.items():
+        out[name] = summary(values)
+        out[name]["per_second"] = round(len(values) / elapsed[name])
+        out[name]["server_cpu_us"] = round(cpu[name] / len(values) * 1e6, 1)
+    return out
 
 
 class _Clients:
@@ -435,97 +447,105 @@ class _Clients:
             channel.close()
 
 
-def allocate_concurrent(proc: Proc, clients: int, seconds: float, rounds: int,
-                        ) -> dict[str, Any]:
-    """``clients`` threads, each with its own channel, each with one Allocate in flight."""
-    samples: list[float] = []
-    elapsed = cpu = 0.0
-    pool = _Clients(proc, clients)
+def allocate_concurrent(procs: dict[str, Proc], clients: int, seconds: float, rounds: int,
+                        ) -> dict[str, dict[str, Any]]:
+    """``clients`` threads, each with its own channel and one Allocate always in flight;
+    processes take turns, one round each."""
+    samples: dict[str, list[float]] = {name: [] for name in procs}
+    elapsed = dict.fromkeys(procs, 0.0)
+    cpu = dict.fromkeys(procs, 0.0)
+    pools = {name: _Clients(proc, clients) for name, proc in procs.items()}
     try:
         for _ in range(rounds):
-            cpu_before = proc.cpu_seconds()
-            latencies, took = pool.round(seconds)
-            cpu += proc.cpu_seconds() - cpu_before
-            samples += latencies
-            elapsed += took
+            for name, pool in pools.items():
+                cpu_before = procs[name].cpu_seconds()
+                latencies, took = pool.round(seconds)
+                cpu[name] += procs[name].cpu_seconds() - cpu_before
+                samples[name] += latencies
+                elapsed[name] += took
     finally:
-        pool.close()
-    result = summary(samples)
-    result["per_second"] = round(len(samples) / elapsed)
-    result["server_cpu_us"] = round(cpu / max(1, len(samples)) * 1e6, 1)
-    result["clients"] = clients
-    # Little's law: with every client always waiting, the mean latency can be no lower
-    # than clients / throughput, whatever the server does with its time.
-    result["queueing_bound_ms"] = round(clients / result["per_second"] * 1000, 3)
-    return result
+        for pool in pools.values():
+            pool.close()
+    out = {}
+    for name, values in samples.items():
+        result = summary(values)
+        result["per_second"] = round(len(values) / elapsed[name])
+        result["server_cpu_us"] = round(cpu[name] / max(1, len(values)) * 1e6, 1)
+        result["clients"] = clients
+        # Little's law: with every client always waiting, the mean latency can be no
+        # lower than clients / throughput, whatever the server does with its time.
+        result["queueing_bound_ms"] = round(clients / result["per_second"] * 1000, 3)
+        out[name] = result
+    return out
 
 
 # -- 5. scale: slot count vs ListAndWatch and Allocate -----------------------------------
 
-def measure_list(proc: Proc, streams: int) -> dict[str, Any]:
-    """Open a ListAndWatch stream, time the first full list, close it; repeat."""
-    samples = []
-    size = 0
-    with channel_to(proc) as channel:
-        stub = api_pb2_grpc.DevicePluginStub(channel)
-        for _ in range(streams):
-            started = time.perf_counter()
-            call = stub.ListAndWatch(api.Empty(), timeout=WAIT)
-            first = next(call)
-            samples.append(time.perf_counter() - started)
-            size = first.ByteSize()
-            call.cancel()
-    result = summary(samples)
-    result["bytes"] = size
-    return result
-
-
-def measure_scale(start: Starter, sizes: Sizes) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for slots in sizes.scale_slots:
-        with fake_node() as node, running(node, start, slots) as (proc, _):
-            out[str(slots)] = {
-                "list": measure_list(proc, sizes.scale_streams),
-                "allocate": allocate_sequential(proc, sizes.scale_calls, 1),
-            }
-    return out
+def measure_scale(starters: dict[str, Starter], sizes: Sizes) -> dict[str, dict[str, Any]]:
+    """One process per implementation and slot count, all running at once, measured in
+    turns (plugin 10, 1000, 10000, floor 10, ..., then again), so background load falls
+    evenly on every slot count and on the floor."""
+    rounds = max(1, sizes.scale_rounds)
+    keys = [(name, n) for name in starters for n in sizes.scale_slots]
+    lists: dict[tuple[str, int], list[float]] = {k: [] for k in keys}
+    calls: dict[tuple[str, int], list[float]] = {k: [] for k in keys}
+    size: dict[tuple[str, int], int] = {}
+    with ExitStack() as stack:
+        stubs = {}
+        for name, slots in keys:
+            node = stack.enter_context(fake_node())
+            proc, _ = stack.enter_context(running(node, starters[name], slots))
+            channel = stack.enter_context(channel_to(proc))
+            stub = api_pb2_grpc.DevicePluginStub(channel)
+            for _ in range(200):  # warm up the channel and the server's threads
+                stub.Allocate(ALLOCATE, timeout=RPC_TIMEOUT)
+            stubs[name, slots] = stub
+        for _ in range(rounds):
+            for key, stub in stubs.items():
+                for _ in range(max(1, sizes.scale_streams // rounds)):
+                    started = time.perf_counter()
+                    call = stub.ListAndWatch(api.Empty(), timeout=WAIT)
+                    first = next(call)
+                    lists[key].append(time.perf_counter() - started)
+                    size[key] = first.ByteSize()
+                    call.cancel()
+                for _ in range(max(1, sizes.scale_calls // rounds)):
+                    t = time.perf_counter()
+                    stub.Allocate(ALLOCATE, timeout=RPC_TIMEOUT)
+                    calls[key].append(time.perf_counter() - t)
+    return {name: {str(n): {"list": {**summary(lists[name, n]), "bytes": size[name, n]},
+                            "allocate": summary(calls[name, n])}
+                   for n in sizes.scale_slots} for name in starters}
 
 
 # -- 6. memory ---------------------------------------------------------------------------
 
 def memory_soak(kubelet: KubeletStandIn, proc: Proc, sizes: Sizes) -> dict[str, Any]:
-    """RSS after start, then halfway and after N Allocates and M kubelet restarts."""
+    """RSS after start, then halfway and after N Allocates and M kubelet restarts.
+
+    The Allocates come the way the kubelet sends them: one at a time on the stand-in's
+    own channel. (RSS after a 32-client stress is reported apart, as ``stress``.)
+    """
     deadline = time.monotonic() + sizes.mem_budget
     out: dict[str, Any] = {"start": proc.status()}
 
-    def allocates(count: int, clients: int = 8) -> int:
-        done = [0] * clients
-        def client(index: int) -> None:
-            with channel_to(proc) as channel:
-                allocate = api_pb2_grpc.DevicePluginStub(channel).Allocate
-                for _ in range(count // clients):
-                    if time.monotonic() > deadline:
-                        return
-                    allocate(ALLOCATE, timeout=RPC_TIMEOUT)
-                    done[index] += 1
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        return sum(done)
+    def allocates(count: int) -> int:
+        allocate = kubelet.stub(proc.resource).Allocate
+        for done in range(count):
+            if time.monotonic() > deadline:
+                return done
+            allocate(ALLOCATE, timeout=RPC_TIMEOUT)
+        return count
 
     def restarts(count: int) -> int:
-        done = 0
-        for _ in range(count):
+        for done in range(count):
             if time.monotonic() > deadline:
-                break
+                return done
             registrations = len(kubelet.registrations) + 1
             kubelet.restart()
             kubelet.wait_registered(registrations, WAIT)
             kubelet.wait_devices(proc.resource, bool, WAIT)
-            done += 1
-        return done
+        return count
 
     half = sizes.mem_allocates // 2
     out["allocates"] = allocates(half)
@@ -543,33 +563,48 @@ def memory_soak(kubelet: KubeletStandIn, proc: Proc, sizes: Sizes) -> dict[str, 
 
 # -- putting it together -----------------------------------------------------------------
 
-def measure_process(start: Starter, watch_start: Starter, sizes: Sizes,
-                    progress: Callable[[str], None], soak: bool) -> dict[str, Any]:
-    """Every figure for one implementation (the plugin, or the floor)."""
-    out: dict[str, Any] = {}
+def measure_all(sizes: Sizes, progress: Callable[[str], None]
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every figure for the plugin and for the floor; where a figure is compared with
+    the floor, the two take turns so that background load falls on both alike."""
+    plugin: dict[str, Any] = {}
+    floor: dict[str, Any] = {}
+    both = {"plugin": plugin, "floor": floor}
+    starters: dict[str, Starter] = {"plugin": plugin_starter, "floor": floor_starter}
     progress("start -> registered")
-    with fake_node() as node:
-        out["start"] = measure_start(node, start, sizes.slots, sizes.starts)
+    for name, figure in measure_start(starters, sizes.slots, sizes.starts).items():
+        both[name]["start"] = figure
     progress("re-registration and health")
-    with fake_node() as node, running(node, watch_start, sizes.slots) as (proc, kubelet):
-        out["reregister"] = measure_reregistration(kubelet, proc, sizes.rereg)
-        out["health"] = measure_health(node, kubelet, proc, sizes.health, sizes.streams)
+    watchers: dict[str, Starter] = {"plugin": plugin_starter, "floor": floor_watch_starter}
+    for name, watcher in watchers.items():
+        with fake_node() as node, running(node, watcher, sizes.slots) as (proc, kubelet):
+            both[name]["reregister"] = measure_reregistration(kubelet, proc, sizes.rereg)
+            both[name]["health"] = measure_health(node, kubelet, proc, sizes.health,
+                                                  sizes.streams)
     progress("Allocate")
-    with fake_node() as node, running(node, start, sizes.slots) as (proc, kubelet):
-        settle(proc)
-        rss_start = proc.status()
-        out["allocate_sequential"] = allocate_sequential(proc, sizes.seq_calls, sizes.seq_rounds)
-        out["allocate_concurrent"] = allocate_concurrent(
-            proc, sizes.conc_clients, sizes.conc_seconds, sizes.conc_rounds)
-        if soak:
-            progress("memory soak (Allocates, then kubelet restarts)")
-            out["memory"] = memory_soak(kubelet, proc, sizes)
-            out["memory"]["start"] = rss_start
-        else:
-            out["memory"] = {"start": rss_start, "allocates_done": proc.status()}
+    with ExitStack() as stack:
+        procs: dict[str, Proc] = {}
+        for name, starter in starters.items():
+            node = stack.enter_context(fake_node())
+            procs[name], _ = stack.enter_context(running(node, starter, sizes.slots))
+        for proc in procs.values():
+            settle(proc)
+        before = {name: proc.status() for name, proc in procs.items()}
+        sequential = allocate_sequential(procs, sizes.seq_calls, sizes.seq_rounds)
+        concurrent = allocate_concurrent(procs, sizes.conc_clients, sizes.conc_seconds,
+                                         sizes.conc_rounds)
+        for name, proc in procs.items():
+            both[name]["allocate_sequential"] = sequential[name]
+            both[name]["allocate_concurrent"] = concurrent[name]
+            both[name]["stress"] = {"start": before[name], "after": proc.status()}
     progress("scale")
-    out["scale"] = measure_scale(start, sizes)
-    return out
+    for name, figure in measure_scale(starters, sizes).items():
+        both[name]["scale"] = figure
+    progress("memory soak (Allocates, then kubelet restarts)")
+    with fake_node() as node, running(node, plugin_starter, sizes.slots) as (proc, kubelet):
+        settle(proc)
+        plugin["memory"] = memory_soak(kubelet, proc, sizes)
+    return plugin, floor
 
 
 @dataclass
@@ -647,29 +682,33 @@ def build_rows(plugin: dict[str, Any], floor: dict[str, Any], sizes: Sizes) -> l
         fmed, fp99 = _ms(base["allocate"])
         rows.append(Row(f"   {int(slots):,} slots: Allocate", median, p99, "ms", fmed, fp99,
                         target, ok, f"scale_{slots}_allocate"))
-    mem, fmem = plugin["memory"], floor["memory"]
-    fstart = fmem["start"]["VmRSS"] / 1024
-    fafter = fmem["allocates_done"]["VmRSS"] / 1024
+    mem, stress, fstress = plugin["memory"], plugin["stress"], floor["stress"]
+    fstart = fstress["start"]["VmRSS"] / 1024
     for key, label, floor_value in (
             ("start", "6. RSS after start", fstart),
-            ("allocates_done", f"   RSS after {mem.get('allocates', 0):,} Allocates",
-             fafter),
-            ("restarts_done", f"   RSS after {mem.get('restarts', 0):,} kubelet restarts",
-             None)):
-        if key in mem:
-            value = mem[key]["VmRSS"] / 1024
-            rows.append(Row(label, round(value, 1), None, "MiB",
-                            round(floor_value, 1) if floor_value else None,
-                            target="<= 40 MiB", ok=value <= 40, key=f"rss_{key}"))
-    if "restarts_done" in mem:
-        # Flat: the second half of each loop adds at most 1 MiB (no leak per call).
-        grow_alloc = (mem["allocates_done"]["VmRSS"] - mem["allocates_half"]["VmRSS"]) / 1024
-        grow_restart = (mem["restarts_done"]["VmRSS"] - mem["restarts_half"]["VmRSS"]) / 1024
-        growth = max(grow_alloc, grow_restart)
-        rows.append(Row("   RSS growth over each loop's 2nd half", round(growth, 2), None,
-                        "MiB", target="<= 1 MiB (flat)", ok=growth <= 1, key="rss_growth",
-                        extra={"allocates": round(grow_alloc, 2),
-                               "restarts": round(grow_restart, 2)}))
+            ("allocates_done", f"   RSS after {mem['allocates']:,} Allocates (kubelet's client)",
+             None),
+            ("restarts_done", f"   RSS after {mem['restarts']:,} kubelet restarts", None)):
+        value = mem[key]["VmRSS"] / 1024
+        rows.append(Row(label, round(value, 1), None, "MiB",
+                        round(floor_value, 1) if floor_value else None,
+                        target="<= 40 MiB", ok=value <= 40, key=f"rss_{key}",
+                        extra={"rss_anon_mib": round(mem[key]["RssAnon"] / 1024, 1),
+                               "rss_file_mib": round(mem[key]["RssFile"] / 1024, 1),
+                               "threads": mem[key]["Threads"]}))
+    # Flat: the second half of each loop adds at most 1 MiB (no leak per call).
+    grow_alloc = (mem["allocates_done"]["VmRSS"] - mem["allocates_half"]["VmRSS"]) / 1024
+    grow_restart = (mem["restarts_done"]["VmRSS"] - mem["restarts_half"]["VmRSS"]) / 1024
+    growth = max(grow_alloc, grow_restart)
+    rows.append(Row("   RSS growth over each loop's 2nd half", round(growth, 2), None,
+                    "MiB", target="<= 1 MiB (flat)", ok=growth <= 1, key="rss_growth",
+                    extra={"allocates": round(grow_alloc, 2),
+                           "restarts": round(grow_restart, 2)}))
+    after = stress["after"]["VmRSS"] / 1024
+    rows.append(Row(f"   RSS after the Allocate stress ({conc['clients']} clients; no target)",
+                    round(after, 1), None, "MiB", round(fstress["after"]["VmRSS"] / 1024, 1),
+                    key="rss_after_stress",
+                    extra={"threads": stress["after"]["Threads"]}))
     return rows
 
 
@@ -711,7 +750,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small smoke run (seconds)")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON path ({RESULTS})")
-    parser.add_argument("--skip-floor", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         print("bench: needs root (the fake node's FUSE device is made with mknod)",
@@ -725,10 +763,7 @@ def main(argv: list[str] | None = None) -> int:
     def progress(what: str) -> None:
         print(f"[{time.monotonic() - began:6.1f}s] {what}", file=sys.stderr, flush=True)
 
-    progress("plugin")
-    plugin = measure_process(plugin_starter, plugin_starter, sizes, progress, soak=True)
-    progress("floor")
-    floor = measure_process(floor_starter, floor_watch_starter, sizes, progress, soak=False)
+    plugin, floor = measure_all(sizes, progress)
     rows = build_rows(plugin, floor, sizes)
     targets = [r for r in rows if r.ok is not None]
     result = {
