@@ -76,8 +76,14 @@ LXCFS_MOUNTPOINT = "/var/lib/lxcfs"  # where lxcfs mounts on every node, and the
 RUNS = (
     Run("s3fs", "s3fs", ("s3fs",), subtype="fuse.s3fs"),
     Run("sshfs", "sshfs", ("sshfs",), subtype="fuse.sshfs"),
-    # fuse-overlayfs asks for suid (its mount flags lack nosuid): no FUSE profile may grant that.
-    Run("generic", "generic", ("bindfs", "sshfs", "s3fs"), ("fuse-overlayfs",)),
+    # fuse-overlayfs asks for suid (its mount flags lack nosuid): no FUSE profile may grant that;
+    # with -o nosuid it mounts nosuid,nodev,noatime, which the generic preset allows.
+    Run(
+        "generic",
+        "generic",
+        ("bindfs", "sshfs", "s3fs", "fuse-overlayfs-nosuid"),
+        ("fuse-overlayfs",),
+    ),
     Run("lxcfs", "lxcfs", ("lxcfs",), subtype="fuse.lxcfs", fixed_mountpoint=LXCFS_MOUNTPOINT),
     # A generated profile narrowed to a mountpoint glob: FUSE under it, nowhere else.
     Run("narrowed", "generic", ("bindfs",), mountpoint_glob="/mnt/fuse/narrowed/**"),

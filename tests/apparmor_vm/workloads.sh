@@ -9,9 +9,12 @@ workload_cmd() {
     s3fs) CMD=(s3fs fdp-bucket "$mp" -f -o "url=http://127.0.0.1:5000,use_path_request_style,passwd_file=/etc/passwd-s3fs") ;;
     sshfs) CMD=(sshfs root@127.0.0.1:/srv/sshfs "$mp" -f -o "IdentityFile=/root/.ssh/id_ed25519,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,BatchMode=yes") ;;
     bindfs) CMD=(bindfs -f /srv/bindfs "$mp") ;;
-    fuse-overlayfs)
-      mkdir -p "/srv/ovl/upper-$tag" "/srv/ovl/work-$tag"
-      CMD=(fuse-overlayfs -f -o "lowerdir=/srv/ovl/lower,upperdir=/srv/ovl/upper-$tag,workdir=/srv/ovl/work-$tag" "$mp") ;;
+    fuse-overlayfs | fuse-overlayfs-nosuid)
+      # fuse-overlayfs asks for suid by default; "-o nosuid" gives nosuid,nodev,noatime.
+      local extra=""
+      [ "$w" = fuse-overlayfs-nosuid ] && extra="nosuid,"
+      mkdir -p "/srv/ovl/upper-$w-$tag" "/srv/ovl/work-$w-$tag"
+      CMD=(fuse-overlayfs -f -o "${extra}lowerdir=/srv/ovl/lower,upperdir=/srv/ovl/upper-$w-$tag,workdir=/srv/ovl/work-$w-$tag" "$mp") ;;
     lxcfs) CMD=(lxcfs "$mp") ;;   # lxcfs stays in the foreground by default
     *) echo "unknown workload $w" >&2; return 2 ;;
   esac
@@ -56,7 +59,7 @@ data_check() {
     s3fs) got=$(python3 /fdp/s3check.py get fdp-bucket "$file" 2>&1) ;;
     sshfs) got=$(cat "/srv/sshfs/$file" 2>&1) ;;
     bindfs) got=$(cat "/srv/bindfs/$file" 2>&1) ;;
-    fuse-overlayfs) got=$(cat "/srv/ovl/upper-$tag/$file" 2>&1) ;;
+    fuse-overlayfs*) got=$(cat "/srv/ovl/upper-$w-$tag/$file" 2>&1) ;;
   esac
   if [ "$got" = "$want" ]; then echo "ok server side has $file: $got"; else echo "fail server side: $got"; fi
 }
