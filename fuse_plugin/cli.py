@@ -178,7 +178,9 @@ def cmd_install_profiles(args: argparse.Namespace) -> int:
         return fail(str(err), err.code)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(all_flags: bool = True) -> argparse.ArgumentParser:
+    """The whole CLI. ``all_flags=False`` leaves out the flags of doctor, profile and
+    install-profiles (and the imports behind them): enough to parse a serve command."""
     parser = _Parser(prog="fuse-device-plugin", description=(
         "Kubernetes device plugin for github.com/fuse: pods get /dev/fuse without "
         "privileged: true, with least-privilege AppArmor and seccomp profiles."))
@@ -198,32 +200,33 @@ def build_parser() -> argparse.ArgumentParser:
                            "container (root, runc, /dev/fuse, squashfuse)")
     demo.set_defaults(func=cmd_demo)
 
-    from fuse_plugin import doctor as doctor_flags
-
     doctor = commands.add_parser(
         "doctor", help="check this node for FUSE pods (exit 1 on a failure), or "
                        "--explain a FUSE error message")
-    doctor_flags.add_flags(doctor)
     doctor.set_defaults(func=cmd_doctor)
-
-    from fuse_plugin.profiles import command as profile_flags
-
     profile = commands.add_parser(
         "profile", help="print or write the AppArmor or seccomp profile of a FUSE preset")
-    profile_flags.add_profile_flags(profile)
     profile.set_defaults(func=cmd_profile)
-
     install = commands.add_parser(
         "install-profiles", help="install the profiles on this node from DIR (a ConfigMap) "
                                  "and reload them when it changes")
-    profile_flags.add_install_flags(install)
     install.set_defaults(func=cmd_install_profiles)
+    if all_flags:
+        from fuse_plugin import doctor as doctor_flags
+        from fuse_plugin.profiles import command as profile_flags
+
+        doctor_flags.add_flags(doctor)
+        profile_flags.add_profile_flags(profile)
+        profile_flags.add_install_flags(install)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     # gRPC's C core logs in its own format to stderr; ours are the only lines users need.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # serve parses only its own flags: the node's long-running process need not import
+    # the profile and doctor modules (~15 ms of start-up).
+    args = build_parser(all_flags=argv[:1] != ["serve"]).parse_args(argv)
     code: int = args.func(args)
     return code
