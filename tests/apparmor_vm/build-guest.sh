@@ -6,12 +6,11 @@
 #   tests/apparmor_vm/build-guest.sh        prints the cache directory holding
 #                                           vmlinuz, rootfs.cpio, kernel-release
 #
-# Needs root, apt (with lists), debootstrap, cpio, dpkg-deb and pip (from the python3 running
-# the project). The guest's root is built with debootstrap's default mirror; nothing here names
-# one. Test scripts, /init and profiles are NOT in this image: run-vm.py packs them per run.
+# Needs root, apt (with lists), debootstrap, cpio, dpkg-deb, ssh-keygen and pip ($PYTHON, by
+# default python3). The guest's root comes from debootstrap's default mirror; nothing here
+# names one. Test scripts, /init and profiles are NOT in this image: run_vm.py packs them per run.
 set -euo pipefail
 
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cache_root=${FDP_VM_CACHE:-/var/cache/fuse-device-plugin/apparmor-vm}
 suite=bookworm
 # moto's S3 server runs inside the guest on 127.0.0.1 (s3fs's backend). moto[server] would add
@@ -40,7 +39,7 @@ if [ -z "$kpkg" ]; then
 fi
 [ -n "$kpkg" ] || { echo "build-guest.sh: cannot resolve linux-image-amd64's kernel package" >&2; exit 1; }
 kver=$(apt-cache policy "$kpkg" | awk '/Candidate:/{print $2}')
-script_hash=$(cat "$0" | sha256sum | cut -c1-12)
+script_hash=$(sha256sum < "${BASH_SOURCE[0]}" | cut -c1-12)
 key="${kpkg#linux-image-}_${kver}_${script_hash}"
 dest="$cache_root/$key"
 
@@ -92,7 +91,7 @@ cp "$kmods"/modules.order "$kmods"/modules.builtin "$kmods"/modules.builtin.modi
 depmod -b "$root" "$krel"
 
 log "moto into /opt/moto"
-python3 -m pip install --quiet --disable-pip-version-check --no-warn-conflicts \
+"${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check --no-warn-conflicts \
   --target "$root/opt/moto" --python-version "$guest_python" --implementation cp \
   --platform manylinux2014_x86_64 --only-binary=:all: "${moto_reqs[@]}" >&2
 rm -rf "$root/opt/moto/bin"   # console scripts point at the host's python; use python3 -m

@@ -15,9 +15,9 @@ say() { echo "$1 run=$run ${*:2}"; }
 
 say RESULT "check=confined status=$(tr ' ' '_' < /proc/self/attr/current)"
 
-uptime() { cut -d' ' -f1 /proc/uptime; }
+now() { cut -d" " -f1 /proc/uptime; }
 for item in "$@"; do
-  w=${item%%=*} mp=${item#*=} t0=$(uptime)
+  w=${item%%=*} mp=${item#*=} t0=$(now)
   mkdir -p "$mp"
   workload_cmd "$w" "$mp" "$run"
   "${CMD[@]}" >"/tmp/$run-$w.log" 2>&1 &
@@ -33,7 +33,7 @@ for item in "$@"; do
     *) say RESULT "check=workload:$w status=timeout" ;;
   esac
   stop_job "$mp" "$pid"
-  say TIMING "workload=$w from=$t0 to=$(uptime)"
+  say TIMING "workload=$w from=$t0 to=$(now)"
   # The program's own words (e.g. "fuse: mount failed: Permission denied"), one line each.
   awk -v p="LOG run=$run workload=$w: " 'NF { print p $0 }' "/tmp/$run-$w.log" | tail -n 8
 done

@@ -232,7 +232,11 @@ def main() -> int:
 
     t0 = time.monotonic()
     build = subprocess.run(
-        ["bash", str(HERE / "build-guest.sh")], stdout=subprocess.PIPE, text=True, check=False
+        ["bash", str(HERE / "build-guest.sh")],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHON": sys.executable},  # its pip fetches moto for the guest
     )
     if build.returncode != 0:
         print(f"run_vm: build-guest.sh failed ({build.returncode})", file=sys.stderr)
