@@ -1,43 +1,789 @@
-"""One small, real, unprivileged runc container that mounts a FUSE filesystem.
+"""OCI bundles for runc, built the way the kubelet and containerd build them for a pod.
 
-Used by ``fuse-device-plugin demo --mount``. It does by hand what the kubelet and
-containerd do for a pod that asked for ``github.com/fuse: 1``: the Allocate answer's
-DeviceSpec becomes a device node plus a device-cgroup rule, the container gets
-CAP_SYS_ADMIN and nothing else (not ``privileged``), and the seccomp profile is the
-generated one, as a pod's ``seccompProfile: Localhost`` would load it.
+A pod asking for ``github.com/fuse`` goes kubelet -> containerd (CRI) -> runc. This module
+plays the kubelet and containerd's CRI plugin: ``build_spec`` turns one container's
+request, with the plugin's real ``ContainerAllocateResponse``, into the ``config.json``
+containerd would hand runc; ``Runc`` runs it. It is the one harness behind
+``fuse-device-plugin demo --mount`` (``run_mount_demo``) and the real-container tests
+(tests/containers, tests/test_manifests.py). Nothing below is privileged unless a caller
+asks for the privileged control.
 
-The root filesystem is read-only binds of the host's /usr (Debian's merged /usr has
-every program the demo runs), so nothing is downloaded and no image store is needed.
-The FUSE filesystem is squashfuse over an image made with mksquashfs: the smallest real
+The mapping (what containerd does with the CRI CreateContainer request):
+
+======================================  ==================================================
+kubelet / CRI request                   OCI config.json (containerd's CRI plugin)
+======================================  ==================================================
+DeviceSpec{host_path, container_path,   ``linux.devices``: ``{path: container_path, type:
+permissions} from Allocate              "c"|"b", major, minor, fileMode, uid, gid}``, all
+                                        read by stat(host_path) on the node; and an allow
+                                        rule ``{allow: true, type, major, minor, access:
+                                        permissions}`` in ``linux.resources.devices``
+(always, unless privileged)             ``linux.resources.devices`` starts with deny-all
+                                        ``{allow: false, access: "rwm"}`` then containerd's
+                                        default rules (``DEFAULT_DEVICE_RULES``: null,
+                                        random, full, tty, zero, urandom, console, pts,
+                                        ptmx, tun); the plugin's rules come after them.
+                                        runc itself then appends its own defaults, among
+                                        them ``c *:* m`` and ``b *:* m``: mknod of any node
+                                        succeeds, but opening it is refused (EPERM).
+Mount{host_path, container_path,        a bind mount: ``{destination: container_path,
+read_only} from Allocate; volumes       type: bind, source: host_path, options: [rbind,
+                                        rprivate, ro|rw]}``
+emptyDir volumes                        here a tmpfs (what ``medium: Memory`` gives; on a
+                                        node a plain emptyDir is a bind of a kubelet dir)
+envs from Allocate; container env       ``process.env`` ``K=V``, after PATH
+annotations from Allocate               ``annotations``
+CDI devices from Allocate               containerd resolves them through CDI specs; this
+                                        plugin sends none, and ``build_spec`` refuses them
+securityContext.capabilities.add        ``process.capabilities`` bounding, effective and
+                                        permitted: containerd's default set
+                                        (``DEFAULT_CAPABILITIES``) plus the additions
+securityContext.capabilities.drop       removed from that set; ``ALL`` empties it first, so
+                                        ``drop: [ALL], add: [SYS_ADMIN]`` is SYS_ADMIN only
+readOnlyRootFilesystem                  ``root.readonly``
+seccompProfile Localhost (profile JSON  ``linux.seccomp``: the JSON read straight into
+made by ``profile seccomp``)            the OCI struct (``load_seccomp``); Docker-style
+                                        ``archMap``/``includes``/``excludes`` are dropped
+seccompProfile Unconfined / privileged  no ``linux.seccomp``
+privileged: false                       ``/dev`` is a fresh tmpfs with only runc's
+                                        standard nodes (null, zero, full, tty, random,
+                                        urandom, ptmx -> pts/ptmx, pts, shm, mqueue) plus
+                                        ``linux.devices``; masked and read-only /proc and
+                                        /sys paths; /sys and /sys/fs/cgroup read-only
+privileged: true (the control only)     every device node of the host /dev (here: a fake
+                                        host /dev directory), ``{allow: true, access:
+                                        "rwm"}``, all capabilities the runtime has, no
+                                        seccomp, no masks, writable /sys
+resources.limits memory / cpuset        ``linux.resources.memory.limit``,
+                                        ``linux.resources.cpu.cpus``
+hostNetwork: false                      a ``network`` namespace (see below for the default)
+hostUsers: false                        a user namespace: ``uidMappings``/``gidMappings``
+                                        container 0 -> host ``USERNS_HOST_ID`` (65536 ids);
+                                        runc then bind-mounts device nodes from the host
+                                        instead of making them, and /sys is a read-only
+                                        bind of the host's (a fresh sysfs mount is refused
+                                        in a user namespace that keeps the host network)
+command / args                          ``process.args``
+======================================  ==================================================
+
+What differs from a real node, on purpose: the image is the host's own /usr and /etc,
+bind-mounted read-only into an empty root (made in well under a second, nothing is
+downloaded, and it has squashfuse, s3fs, sshfs and lxcfs); a ``ContainerRequest`` keeps
+the host network namespace unless it says ``host_network=False``, so the tests' containers
+reach their servers on 127.0.0.1 (a pod has its own network namespace, as the demo's
+does); the cgroup driver is cgroupfs with a cgroup per container under ``/<container id>``.
+
+``Runc`` and ``RuncContainer`` run the bundle with runc: every ``exec`` has a deadline, and
+when it passes, every FUSE connection mounted inside the container is aborted through
+fusectl (``/sys/fs/fuse/connections/N/abort``) before the process is killed, so a hung
+FUSE daemon can never leave an unkillable process behind. ``RuncContainer.delete`` always
+aborts the container's FUSE connections, then ``runc delete --force``.
+
+The demo's filesystem is squashfuse over an image made with mksquashfs: the smallest real
 FUSE filesystem in Debian that needs no daemon, network or credentials.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
+from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.config import DEFAULT_FUSE_DEVICE
 from fuse_plugin.devices import Health, probe
 
-SECCOMP_PRESET = "generic"
+Spec = dict[str, Any]
+
+RUNC = "runc"
+FUSECTL = Path("/sys/fs/fuse/connections")
+USERNS_HOST_ID = 100000
+USERNS_SIZE = 65536
+PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 RUN_TIMEOUT = 60.0
-# The same paths the runtime default spec hides or freezes; a demo container should look
-# like a pod's, not like a privileged one.
-MASKED = ("/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
-          "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
-          "/sys/firmware")
-READ_ONLY = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
+
+# containerd's default capability set for a container (oci.WithDefaultUnixSpec).
+DEFAULT_CAPABILITIES = (
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+)
+# Every capability, in bit order (CAP_CHOWN is bit 0).
+ALL_CAPABILITIES = (
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID",
+    "CAP_KILL", "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_LINUX_IMMUTABLE",
+    "CAP_NET_BIND_SERVICE", "CAP_NET_BROADCAST", "CAP_NET_ADMIN", "CAP_NET_RAW",
+    "CAP_IPC_LOCK", "CAP_IPC_OWNER", "CAP_SYS_MODULE", "CAP_SYS_RAWIO", "CAP_SYS_CHROOT",
+    "CAP_SYS_PTRACE", "CAP_SYS_PACCT", "CAP_SYS_ADMIN", "CAP_SYS_BOOT", "CAP_SYS_NICE",
+    "CAP_SYS_RESOURCE", "CAP_SYS_TIME", "CAP_SYS_TTY_CONFIG", "CAP_MKNOD", "CAP_LEASE",
+    "CAP_AUDIT_WRITE", "CAP_AUDIT_CONTROL", "CAP_SETFCAP", "CAP_MAC_OVERRIDE",
+    "CAP_MAC_ADMIN", "CAP_SYSLOG", "CAP_WAKE_ALARM", "CAP_BLOCK_SUSPEND", "CAP_AUDIT_READ",
+    "CAP_PERFMON", "CAP_BPF", "CAP_CHECKPOINT_RESTORE",
+)
+# In ``drop_capabilities``: start from no capabilities (the CRI's "ALL").
+DROP_ALL = "ALL"
+
+DENY_ALL_DEVICES: dict[str, Any] = {"allow": False, "access": "rwm"}
+
+
+def _allow(major: int, minor: int | None, access: str = "rwm") -> dict[str, Any]:
+    rule: dict[str, Any] = {"allow": True, "type": "c", "major": major, "access": access}
+    if minor is not None:
+        rule["minor"] = minor
+    return rule
+
+
+# containerd's oci.WithDefaultUnixDevices, in its order.
+DEFAULT_DEVICE_RULES: tuple[dict[str, Any], ...] = (
+    _allow(1, 3),      # /dev/null
+    _allow(1, 8),      # /dev/random
+    _allow(1, 7),      # /dev/full
+    _allow(5, 0),      # /dev/tty
+    _allow(1, 5),      # /dev/zero
+    _allow(1, 9),      # /dev/urandom
+    _allow(5, 1),      # /dev/console
+    _allow(136, None),  # /dev/pts/*
+    _allow(5, 2),      # /dev/ptmx
+    _allow(10, 200),   # /dev/net/tun
+)
+
+# containerd's default mounts for a CRI container (populateDefaultUnixSpec, minus /run,
+# plus the read-only cgroup mount the CRI plugin adds).
+DEFAULT_MOUNTS: tuple[dict[str, Any], ...] = (
+    {"destination": "/proc", "type": "proc", "source": "proc",
+     "options": ["nosuid", "noexec", "nodev"]},
+    {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+     "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+    {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+     "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+    {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+     "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+    {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
+     "options": ["nosuid", "noexec", "nodev"]},
+    {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+     "options": ["nosuid", "noexec", "nodev", "ro"]},
+    {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
+     "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]},
+)
+MASKED_PATHS = (
+    "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+    "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
+    "/sys/firmware", "/sys/devices/virtual/powercap",
+)
+READONLY_PATHS = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
+
+# The stand-in image: the host's /usr and /etc, read-only, in an empty root.
+IMAGE_BINDS = ("/usr", "/etc")
+TOP_LEVEL_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+ROOTFS_DIRS = ("proc", "dev", "sys", "tmp", "mnt", "root", "run", "var/lib", "var/tmp",
+               "data", "usr", "etc")
+# An emptyDir: enough for sockets, pid files and a mount point.
+EMPTY_DIR_OPTIONS = ("nosuid", "nodev", "size=16m")
+
+_SECCOMP_FIELDS = ("defaultAction", "defaultErrnoRet", "architectures", "flags",
+                   "listenerPath", "listenerMetadata")
+_SECCOMP_RULE_FIELDS = ("names", "action", "errnoRet", "args")
+
+
+class ContainerError(Exception):
+    """The container could not be made or run, or a command in it failed."""
+
+
+class ContainerTimeout(ContainerError):
+    """A command in the container passed its deadline; its FUSE connections were aborted."""
+
+
+# -- what a pod asks for -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bind:
+    """A volume: a host path bind-mounted into the container."""
+
+    source: Path
+    destination: str
+    readonly: bool = False
+
+
+@dataclass
+class ContainerRequest:
+    """One container of a pod, reduced to what the demo and the tests vary.
+
+    ``allocation`` is the plugin's ContainerAllocateResponse for this container (None: the
+    pod did not ask for github.com/fuse). ``seccomp`` is a profile as JSON text or a
+    parsed dict, None for Unconfined. ``tmpfs`` lists emptyDir mount points.
+    """
+
+    args: Sequence[str]
+    allocation: api.ContainerAllocateResponse | None = None
+    add_capabilities: Sequence[str] = ()
+    drop_capabilities: Sequence[str] = ()
+    seccomp: str | Mapping[str, Any] | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    binds: Sequence[Bind] = ()
+    tmpfs: Sequence[str] = ()
+    memory_limit: int | None = None
+    cpuset: str | None = None
+    readonly_rootfs: bool = False
+    host_network: bool = True
+    host_users: bool = True
+    privileged: bool = False
+    host_dev: Path = Path("/dev")
+    hostname: str = "fuse-e2e"
+
+
+@dataclass(frozen=True)
+class Container:
+    """The short form for a container that runs to its end, as the demo and the manifest
+    examples write it: ``drop: [ALL]`` plus ``capabilities``, a read-only root, its own
+    network namespace, the DeviceSpecs as an Allocate answer would give them."""
+
+    args: tuple[str, ...]
+    devices: tuple[api.DeviceSpec, ...]
+    seccomp: Mapping[str, Any]
+    capabilities: tuple[str, ...] = ("CAP_SYS_ADMIN",)
+    # (host path, container path), read-only; and writable scratch dirs (emptyDirs).
+    binds: tuple[tuple[str, str], ...] = ()
+    tmpfs: tuple[str, ...] = ("/mnt",)
+
+    def request(self) -> ContainerRequest:
+        """The full request it stands for: ``build_spec`` does the rest, so these
+        containers are made exactly as the tests' are."""
+        return ContainerRequest(
+            args=self.args,
+            allocation=api.ContainerAllocateResponse(devices=list(self.devices)),
+            add_capabilities=self.capabilities, drop_capabilities=(DROP_ALL,),
+            seccomp=self.seccomp, env={"LC_ALL": "C"},
+            binds=[Bind(Path(source), target, readonly=True) for source, target in self.binds],
+            tmpfs=self.tmpfs, readonly_rootfs=True, host_network=False, hostname="fuse-demo")
+
+
+# -- the config.json ---------------------------------------------------------------------
+
+
+def device_from_path(host_path: str, container_path: str) -> dict[str, Any]:
+    """linux.devices entry for a host node, as containerd's DeviceFromPath reads it."""
+    st = os.stat(host_path)
+    if stat.S_ISCHR(st.st_mode):
+        kind = "c"
+    elif stat.S_ISBLK(st.st_mode):
+        kind = "b"
+    else:
+        raise ContainerError(f"{host_path} is not a device node")
+    return {"path": container_path, "type": kind, "major": os.major(st.st_rdev),
+            "minor": os.minor(st.st_rdev), "fileMode": stat.S_IMODE(st.st_mode),
+            "uid": st.st_uid, "gid": st.st_gid}
+
+
+def device_entries(specs: Iterable[api.DeviceSpec]
+                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """DeviceSpecs -> (linux.devices, their device-cgroup allow rules).
+
+    containerd copies the host node's type, numbers, mode and owner, and turns the
+    spec's permissions ("rw") into the rule's access.
+    """
+    nodes, rules = [], []
+    for spec in specs:
+        node = device_from_path(spec.host_path, spec.container_path)
+        nodes.append(node)
+        rules.append({"allow": True, "type": node["type"], "major": node["major"],
+                      "minor": node["minor"], "access": spec.permissions})
+    return nodes, rules
+
+
+def host_devices(dev_dir: Path) -> list[tuple[str, str]]:
+    """(host path, container path) of every node under a host /dev, as containerd's
+    HostDevices() lists them for a privileged container."""
+    found = []
+    for root, _dirs, files in os.walk(dev_dir):
+        for name in sorted(files):
+            path = Path(root, name)
+            mode = path.lstat().st_mode
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+                found.append((str(path), "/dev/" + str(path.relative_to(dev_dir))))
+    return found
+
+
+def load_seccomp(profile: str | Mapping[str, Any]) -> dict[str, Any]:
+    """``linux.seccomp`` from a Localhost profile, as containerd loads it: the JSON is
+    read straight into the OCI ``LinuxSeccomp`` struct, so only its fields survive;
+    Docker-style ``archMap``/``includes``/``excludes`` are dropped without a word (a
+    rule meant only for CAP_SYS_ADMIN then applies to every container)."""
+    data = json.loads(profile) if isinstance(profile, str) else copy.deepcopy(dict(profile))
+    out = {k: data[k] for k in _SECCOMP_FIELDS if k in data}
+    out["syscalls"] = [{k: rule[k] for k in _SECCOMP_RULE_FIELDS if k in rule}
+                       for rule in data.get("syscalls") or []]
+    return out
+
+
+def runtime_capabilities() -> list[str]:
+    """What a privileged container gets: every capability in the runtime's own bounding
+    set (containerd reads its own; a runtime inside a container may lack some)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapBnd:"):
+            mask = int(line.split()[1], 16)
+            return [c for bit, c in enumerate(ALL_CAPABILITIES) if mask >> bit & 1]
+    return list(ALL_CAPABILITIES)
+
+
+def _capabilities(request: ContainerRequest) -> list[str]:
+    if request.privileged:
+        return runtime_capabilities()
+    drop = set(request.drop_capabilities)
+    base = () if DROP_ALL in drop else DEFAULT_CAPABILITIES
+    caps = [c for c in base if c not in drop]
+    caps += [c for c in request.add_capabilities if c not in caps and c not in drop]
+    return caps
+
+
+def _devices(request: ContainerRequest, allocation: api.ContainerAllocateResponse
+             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(linux.devices, linux.resources.devices)."""
+    nodes, allowed = device_entries(allocation.devices)
+    if request.privileged:
+        inside = {node["path"] for node in nodes}
+        host = [device_from_path(path, target)
+                for path, target in host_devices(request.host_dev) if target not in inside]
+        return host + nodes, [{"allow": True, "access": "rwm"}]
+    return nodes, [dict(DENY_ALL_DEVICES), *map(dict, DEFAULT_DEVICE_RULES), *allowed]
+
+
+def _mounts(request: ContainerRequest, allocation: api.ContainerAllocateResponse
+            ) -> list[dict[str, Any]]:
+    mounts = [copy.deepcopy(m) for m in DEFAULT_MOUNTS]
+    for m in mounts:
+        if request.privileged and m["destination"] in ("/sys", "/sys/fs/cgroup"):
+            m["options"] = [o for o in m["options"] if o != "ro"]
+        if not request.host_users and m["destination"] == "/sys":
+            # A fresh sysfs is refused in a userns that keeps the host network namespace.
+            m.update(type="bind", source="/sys",
+                     options=["rbind", "nosuid", "noexec", "nodev", "ro"])
+    if not request.host_users:
+        mounts = [m for m in mounts if m["destination"] != "/sys/fs/cgroup"]
+    mounts += [{"destination": d, "type": "bind", "source": d, "options": ["rbind", "ro"]}
+               for d in IMAGE_BINDS]
+    mounts.append({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+                   "options": ["nosuid", "nodev", "mode=1777"]})
+    volumes = [Bind(Path(m.host_path), m.container_path, m.read_only)
+               for m in allocation.mounts] + list(request.binds)
+    mounts += [{"destination": b.destination, "type": "bind", "source": str(b.source),
+                "options": ["rbind", "rprivate", "ro" if b.readonly else "rw"]}
+               for b in volumes]
+    mounts += [{"destination": target, "type": "tmpfs", "source": "tmpfs",
+                "options": list(EMPTY_DIR_OPTIONS)} for target in request.tmpfs]
+    return mounts
+
+
+def build_spec(request: ContainerRequest) -> Spec:
+    """The config.json containerd would give runc for ``request`` (see the module doc)."""
+    allocation = request.allocation or api.ContainerAllocateResponse()
+    if allocation.cdi_devices:
+        raise NotImplementedError("CDI devices in an AllocateResponse are not modelled here")
+    caps = _capabilities(request)
+    devices, rules = _devices(request, allocation)
+    mounts = _mounts(request, allocation)
+
+    env = [PATH_ENV, f"HOSTNAME={request.hostname}"]
+    env += [f"{k}={v}" for k, v in allocation.envs.items()]
+    env += [f"{k}={v}" for k, v in request.env.items()]
+
+    resources: dict[str, Any] = {"devices": rules}
+    if request.memory_limit is not None:
+        resources["memory"] = {"limit": request.memory_limit}
+    if request.cpuset is not None:
+        resources["cpu"] = {"cpus": request.cpuset}
+
+    kinds = ("pid", "ipc", "uts", "mount") if request.host_network else (
+        "pid", "network", "ipc", "uts", "mount")
+    namespaces = [{"type": t} for t in kinds]
+    linux: dict[str, Any] = {
+        "resources": resources,
+        "namespaces": namespaces,
+        "devices": devices,
+    }
+    if not request.privileged:
+        linux["maskedPaths"] = list(MASKED_PATHS)
+        linux["readonlyPaths"] = list(READONLY_PATHS)
+        if request.seccomp is not None:
+            linux["seccomp"] = load_seccomp(request.seccomp)
+    if not request.host_users:
+        namespaces.append({"type": "user"})
+        mapping = [{"containerID": 0, "hostID": USERNS_HOST_ID, "size": USERNS_SIZE}]
+        linux["uidMappings"] = mapping
+        linux["gidMappings"] = copy.deepcopy(mapping)
+
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": list(request.args),
+            "env": env,
+            "cwd": "/",
+            "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
+            # As the kubelet sets it for a container that adds SYS_ADMIN: Kubernetes
+            # refuses allowPrivilegeEscalation: false together with CAP_SYS_ADMIN.
+            "noNewPrivileges": False,
+        },
+        "root": {"path": "rootfs", "readonly": request.readonly_rootfs},
+        "hostname": request.hostname,
+        "mounts": mounts,
+        "annotations": dict(allocation.annotations),
+        "linux": linux,
+    }
+
+
+def remove_device_rule(spec: Spec, container_path: str) -> Spec:
+    """The spec without the devices-cgroup allow rule for one of its linux.devices: the
+    negative control that shows the rule, not the node, is what lets the open through."""
+    out = copy.deepcopy(spec)
+    device = next(d for d in out["linux"]["devices"] if d["path"] == container_path)
+    out["linux"]["resources"]["devices"] = [
+        r for r in out["linux"]["resources"]["devices"]
+        if not (r.get("allow") and r.get("type") == device["type"]
+                and r.get("major") == device["major"] and r.get("minor") == device["minor"])]
+    return out
+
+
+# -- the bundle on disk ------------------------------------------------------------------
+
+
+def make_rootfs(path: Path, owner: int | None = None) -> None:
+    """An empty root for the stand-in image: mount points, and the host's top-level
+    links (bin -> usr/bin on merged-/usr systems) or binds for real directories."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ROOTFS_DIRS:
+        (path / name).mkdir(parents=True, exist_ok=True)
+    for name in TOP_LEVEL_LINKS:
+        host = Path("/") / name
+        if host.is_symlink():
+            (path / name).symlink_to(os.readlink(host))
+        elif host.is_dir():
+            (path / name).mkdir(exist_ok=True)
+    if owner is not None:
+        for name in ("root", "tmp", "data", "var", "var/lib", "var/tmp", "mnt", "run"):
+            os.chown(path / name, owner, owner)
+
+
+def _image_dirs_binds() -> list[str]:
+    return [f"/{n}" for n in TOP_LEVEL_LINKS
+            if Path("/", n).is_dir() and not Path("/", n).is_symlink()]
+
+
+def write_bundle(bundle: Path, spec: Spec) -> Path:
+    """config.json and rootfs/ under ``bundle``, every mount point made beforehand (a
+    read-only root cannot get them later); returns ``bundle``."""
+    owner = None
+    for m in spec["linux"].get("uidMappings", []):
+        if m["containerID"] == 0:
+            owner = m["hostID"]
+    make_rootfs(bundle / "rootfs", owner)
+    spec = copy.deepcopy(spec)
+    spec["mounts"] += [{"destination": d, "type": "bind", "source": d,
+                        "options": ["rbind", "ro"]} for d in _image_dirs_binds()]
+    for m in spec["mounts"]:
+        target = bundle / "rootfs" / m["destination"].lstrip("/")
+        if m["type"] == "bind" and Path(m["source"]).is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.touch(exist_ok=True)
+        elif not target.is_symlink():
+            target.mkdir(parents=True, exist_ok=True)
+    (bundle / "config.json").write_text(json.dumps(spec, indent=1))
+    return bundle
+
+
+# -- FUSE connections --------------------------------------------------------------------
+
+
+def ensure_fusectl() -> bool:
+    """Mount fusectl on /sys/fs/fuse/connections if it is not (systemd mounts it at boot;
+    a VM or container without systemd may not have it). True when the abort files are
+    usable."""
+    if _is_fusectl():
+        return True
+    if not FUSECTL.is_dir():
+        return False
+    result = subprocess.run(["mount", "-t", "fusectl", "fusectl", str(FUSECTL)],
+                            capture_output=True, text=True, check=False)
+    return result.returncode == 0 and _is_fusectl()
+
+
+def _is_fusectl() -> bool:
+    try:
+        mounts = Path("/proc/self/mounts").read_text()
+    except OSError:
+        return False
+    return any(line.split()[1:3] == [str(FUSECTL), "fusectl"] for line in mounts.splitlines())
+
+
+def fuse_mounts_of(pid: int) -> list[tuple[str, str, str]]:
+    """(mount point, fstype, superblock device ``major:minor``) of every FUSE mount in
+    ``pid``'s mount namespace, from its mountinfo; empty once the process is gone."""
+    found: list[tuple[str, str, str]] = []
+    try:
+        text = Path(f"/proc/{pid}/mountinfo").read_text()
+    except OSError:
+        return found
+    for line in text.splitlines():
+        left, _, right = line.partition(" - ")
+        fstype = right.split(" ", 1)[0]
+        if _is_fuse(fstype):
+            fields = left.split()
+            found.append((fields[4], fstype, fields[2]))
+    return found
+
+
+def fuse_connections_of(pid: int) -> set[int]:
+    """fusectl connection numbers of the FUSE mounts in ``pid``'s mount namespace: the
+    minor of the superblock's device (``0:N``)."""
+    found: set[int] = set()
+    for _point, _fstype, device in fuse_mounts_of(pid):
+        major, _, minor = device.partition(":")
+        if major == "0":
+            found.add(int(minor))
+    return found
+
+
+def _is_fuse(fstype: str) -> bool:
+    return fstype in ("fuse", "fuseblk") or fstype.startswith(("fuse.", "fuseblk."))
+
+
+def abort_fuse_connection(number: int) -> bool:
+    try:
+        (FUSECTL / str(number) / "abort").write_text("1")
+    except OSError:
+        return False
+    return True
+
+
+# -- running -----------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def check(self) -> Result:
+        if self.returncode != 0:
+            raise ContainerError(f"{self.args} exited {self.returncode}\n"
+                                 f"stdout: {self.stdout}\nstderr: {self.stderr}")
+        return self
+
+
+class Runc:
+    """runc with a private state root, so these containers never mix with a node's."""
+
+    def __init__(self, base: Path | None = None, prefix: str = "fuse-e2e") -> None:
+        base = base or Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir="/run"))
+        # World-traversable: in a user namespace the container's root must reach its rootfs.
+        base.chmod(0o711)
+        self.base = base
+        self.prefix = prefix
+        self.root = base / "runc"
+        self.containers: list[RuncContainer] = []
+
+    def __enter__(self) -> Runc:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
+
+    def command(self, *args: str) -> list[str]:
+        return [RUNC, "--root", str(self.root), *args]
+
+    def create(self, spec: Spec, name: str = "c") -> RuncContainer:
+        cid = f"{self.prefix}-{name}-{uuid.uuid4().hex[:8]}"
+        spec = copy.deepcopy(spec)
+        spec["linux"]["cgroupsPath"] = f"/{cid}"
+        bundle = write_bundle(self.base / cid, spec)
+        container = RuncContainer(self, cid, bundle)
+        self.containers.append(container)
+        return container
+
+    def close(self) -> None:
+        """Delete every container made here (even after failures), then the directory."""
+        errors = []
+        for container in reversed(self.containers):
+            try:
+                container.delete()
+            except Exception as err:  # keep cleaning the others
+                errors.append(f"{container.id}: {err}")
+        self.containers.clear()
+        shutil.rmtree(self.base, ignore_errors=True)
+        if errors:
+            raise ContainerError("cleanup failed: " + "; ".join(errors))
+
+
+class RuncContainer:
+    """One container made by ``Runc.create``: started, run to its end, exec'd into."""
+
+    def __init__(self, runc: Runc, cid: str, bundle: Path) -> None:
+        self.runc = runc
+        self.id = cid
+        self.bundle = bundle
+        self.pid = 0
+        self.started = False
+        self.deleted = False
+        self._execs = 0
+        # ``runc exec`` processes left running (a foreground daemon); reaped on delete.
+        self.daemons: list[subprocess.Popen[bytes]] = []
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self, timeout: float = 20.0) -> RuncContainer:
+        """``runc run --detach``; the init process is the spec's args (a long-lived one)."""
+        log = self.bundle / "init.log"
+        with log.open("wb") as out:
+            proc = subprocess.run(
+                self.runc.command("run", "--detach", "--bundle", str(self.bundle),
+                                  "--pid-file", str(self.bundle / "init.pid"), self.id),
+                stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=timeout,
+                check=False)
+        self.started = True
+        if proc.returncode != 0:
+            raise ContainerError(f"runc run {self.id} failed ({proc.returncode}): "
+                                 f"{log.read_text(errors='replace')}")
+        self.pid = int((self.bundle / "init.pid").read_text())
+        return self
+
+    def run_to_end(self, timeout: float = 30.0) -> Result:
+        """``runc run`` in the foreground: the spec's args run as the container's init;
+        returns its exit status and output (the demo, and controls that fail fast)."""
+        out, err = self.bundle / "run.out", self.bundle / "run.err"
+        with out.open("wb") as o, err.open("wb") as e:
+            proc = subprocess.Popen(
+                self.runc.command("run", "--bundle", str(self.bundle), self.id),
+                stdin=subprocess.DEVNULL, stdout=o, stderr=e)
+            self.started = True
+            rc = self._wait(proc, timeout, "runc run")
+        return Result(["run"], rc, out.read_text(errors="replace"),
+                      err.read_text(errors="replace"))
+
+    def delete(self) -> None:
+        """Abort the container's FUSE connections, then ``runc delete --force``."""
+        if self.deleted or not self.started:
+            self.deleted = True
+            return
+        for attempt in range(3):
+            self.abort_fuse()
+            try:
+                proc = subprocess.run(self.runc.command("delete", "--force", self.id),
+                                      capture_output=True, text=True, timeout=20, check=False)
+            except subprocess.TimeoutExpired:
+                continue
+            if proc.returncode == 0 or "does not exist" in proc.stderr:
+                self.deleted = True
+                self._reap()
+                return
+            if attempt == 2:
+                raise ContainerError(f"runc delete {self.id}: {proc.stderr.strip()}")
+        raise ContainerError(f"runc delete {self.id} did not finish")
+
+    def _reap(self) -> None:
+        for daemon in self.daemons:
+            try:
+                daemon.wait(10)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait(10)
+        self.daemons.clear()
+
+    # -- inside --------------------------------------------------------------------------
+
+    def exec(self, *args: str, timeout: float = 20.0, detach: bool = False,
+             env: Mapping[str, str] | None = None) -> Result:
+        """``runc exec`` with a deadline; the process gets the container's capabilities,
+        seccomp profile and cgroup. At the deadline every FUSE connection mounted in the
+        container is aborted and the exec is killed (``ContainerTimeout``).
+
+        Output goes to files, not pipes: a FUSE daemon that forks (sshfs's ssh child)
+        keeps inherited pipes open long after the command itself returned."""
+        self._execs += 1
+        stem = self.bundle / f"exec{self._execs}"
+        extra: list[str] = []
+        for k, v in (env or {}).items():
+            extra += ["--env", f"{k}={v}"]
+        if detach:
+            extra.append("--detach")
+        out, err = stem.with_suffix(".out"), stem.with_suffix(".err")
+        with out.open("wb") as o, err.open("wb") as e:
+            proc = subprocess.Popen(self.runc.command("exec", *extra, self.id, *args),
+                                    stdin=subprocess.DEVNULL, stdout=o, stderr=e)
+            rc = self._wait(proc, timeout, " ".join(args))
+        return Result(list(args), rc, out.read_text(errors="replace"),
+                      err.read_text(errors="replace"))
+
+    def sh(self, script: str, timeout: float = 20.0) -> Result:
+        return self.exec("/bin/sh", "-c", script, timeout=timeout)
+
+    def _wait(self, proc: subprocess.Popen[bytes], timeout: float, what: str) -> int:
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            aborted = self.abort_fuse()
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            raise ContainerTimeout(
+                f"{self.id}: {what!r} did not finish within {timeout}s; aborted FUSE "
+                f"connections {sorted(aborted) or 'none'}") from None
+
+    def pids(self) -> list[int]:
+        proc = subprocess.run(self.runc.command("ps", "--format", "json", self.id),
+                              capture_output=True, text=True, timeout=10, check=False)
+        pids = json.loads(proc.stdout or "null") if proc.returncode == 0 else None
+        return list(pids or ([self.pid] if self.pid else []))
+
+    def fuse_connections(self) -> set[int]:
+        """fusectl numbers of every FUSE mount visible to any process of the container."""
+        found: set[int] = set()
+        for pid in self.pids():
+            found |= fuse_connections_of(pid)
+        return found
+
+    def abort_fuse(self) -> set[int]:
+        """Abort the container's FUSE connections: frees any process stuck on them."""
+        aborted = set()
+        for number in self.fuse_connections():
+            if abort_fuse_connection(number):
+                aborted.add(number)
+        return aborted
+
+    def mounts(self) -> list[tuple[str, str]]:
+        """(mount point, fstype) of the FUSE mounts in the container's mount namespace."""
+        return [(point, fstype) for point, fstype, _ in fuse_mounts_of(self.pid)]
+
+
+def run_container(container: Container, timeout: float = RUN_TIMEOUT) -> Result:
+    """Run ``container`` once, its args as init, to its end; whatever runc made for it is
+    deleted afterwards, even on a timeout."""
+    with Runc(prefix="fuse-demo") as runc:
+        return runc.create(build_spec(container.request()), "run").run_to_end(timeout)
+
+
+# -- the demo: squashfuse in an unprivileged container -----------------------------------
+
+SECCOMP_PRESET = "generic"
 MOUNTPOINT = "/mnt/fuse"
 IMAGE = "/data/demo.sqfs"
 SCRIPT = f"""set -e
@@ -57,26 +803,29 @@ echo "unmounted {MOUNTPOINT}"
 HELLO = "hello from squashfuse, mounted in a container that is not privileged\n"
 
 
-class ContainerError(Exception):
-    """The container could not be made or did not run; the message is one line."""
-
-
 @dataclass
 class MountResult:
     setup: list[str] = field(default_factory=list)
     output: list[str] = field(default_factory=list)
 
 
-def mount_blockers(device: Path = DEFAULT_FUSE_DEVICE) -> list[str]:
-    """Why this machine cannot run the container part; empty when it can."""
+def runc_blockers(device: Path = DEFAULT_FUSE_DEVICE) -> list[str]:
+    """Why this machine cannot run a FUSE container with runc at all; empty when it can."""
     blockers = []
     if os.geteuid() != 0:
         blockers.append("needs root: runc makes namespaces and cgroups (run it with sudo)")
     found = probe(device)
     if found.health is not Health.HEALTHY:
         blockers.append(f"{found.reason}: load the fuse module (modprobe fuse)")
-    for program, package in (("runc", "runc"), ("squashfuse", "squashfuse"),
-                             ("mksquashfs", "squashfs-tools")):
+    if shutil.which(RUNC) is None:
+        blockers.append("runc is not installed (apt-get install runc)")
+    return blockers
+
+
+def mount_blockers(device: Path = DEFAULT_FUSE_DEVICE) -> list[str]:
+    """Why this machine cannot run the demo's container; empty when it can."""
+    blockers = runc_blockers(device)
+    for program, package in (("squashfuse", "squashfuse"), ("mksquashfs", "squashfs-tools")):
         if shutil.which(program) is None:
             blockers.append(f"{program} is not installed (apt-get install {package})")
     if importlib.util.find_spec("fuse_plugin.profiles") is None:
@@ -96,139 +845,6 @@ def seccomp_profile(preset: str = SECCOMP_PRESET) -> dict[str, Any]:
     return profile
 
 
-def device_entries(specs: Sequence[Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """DeviceSpecs -> (linux.devices, device-cgroup rules), as containerd builds them.
-
-    containerd copies the host node's type, numbers, mode and owner, and turns the
-    spec's permissions ("rw") into the cgroup rule's access.
-    """
-    nodes, rules = [], []
-    for spec in specs:
-        st = os.stat(spec.host_path)
-        if not stat.S_ISCHR(st.st_mode):
-            raise ContainerError(f"{spec.host_path} is not a character device")
-        major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
-        nodes.append({"type": "c", "path": spec.container_path, "major": major,
-                      "minor": minor, "fileMode": stat.S_IMODE(st.st_mode),
-                      "uid": st.st_uid, "gid": st.st_gid})
-        rules.append({"allow": True, "type": "c", "major": major, "minor": minor,
-                      "access": spec.permissions})
-    return nodes, rules
-
-
-def _host_root_entries(rootfs: Path) -> list[dict[str, Any]]:
-    """Recreate /bin, /lib... as the host has them: symlinks into /usr, or ro binds."""
-    mounts = [_bind("/usr", "/usr")]
-    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-        host = Path("/") / name
-        if host.is_symlink():
-            (rootfs / name).symlink_to(os.readlink(host))
-        elif host.is_dir():
-            (rootfs / name).mkdir()
-            mounts.append(_bind(str(host), f"/{name}"))
-    return mounts
-
-
-def _bind(source: str, destination: str) -> dict[str, Any]:
-    return {"destination": destination, "type": "bind", "source": source,
-            "options": ["rbind", "ro", "nosuid", "nodev"]}
-
-
-@dataclass(frozen=True)
-class Container:
-    """What a pod's container would get, reduced to what the demo and tests vary."""
-
-    args: tuple[str, ...]
-    devices: tuple[Any, ...]
-    seccomp: dict[str, Any]
-    capabilities: tuple[str, ...] = ("CAP_SYS_ADMIN",)
-    # (host path, container path), read-only; and writable scratch dirs (emptyDirs).
-    binds: tuple[tuple[str, str], ...] = ()
-    tmpfs: tuple[str, ...] = ("/mnt",)
-
-
-def bundle_config(rootfs: Path, container: Container) -> dict[str, Any]:
-    """An OCI runtime config (runtime-spec 1.0) for one unprivileged container."""
-    nodes, rules = device_entries(container.devices)
-    caps = list(container.capabilities)
-    mounts: list[dict[str, Any]] = [
-        {"destination": "/proc", "type": "proc", "source": "proc"},
-        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-         "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
-        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
-         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
-        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
-         "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
-        {"destination": "/sys", "type": "sysfs", "source": "sysfs",
-         "options": ["nosuid", "noexec", "nodev", "ro"]},
-        *_host_root_entries(rootfs),
-        {"destination": "/etc/ld.so.cache", "type": "bind", "source": "/etc/ld.so.cache",
-         "options": ["bind", "ro"]},
-        *({"destination": target, "type": "bind", "source": source,
-           "options": ["bind", "ro", "nosuid", "nodev"]} for source, target in container.binds),
-        *({"destination": target, "type": "tmpfs", "source": "tmpfs",
-           "options": ["nosuid", "nodev", "size=16m"]} for target in container.tmpfs),
-    ]
-    files = {"/etc/ld.so.cache"} | {target for source, target in container.binds
-                                    if not Path(source).is_dir()}
-    for entry in mounts:
-        target = rootfs / entry["destination"].lstrip("/")
-        if entry["destination"] in files:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.touch()
-        elif not target.is_symlink():
-            target.mkdir(parents=True, exist_ok=True)
-    return {
-        "ociVersion": "1.0.2",
-        "process": {
-            "terminal": False,
-            "user": {"uid": 0, "gid": 0},
-            "args": list(container.args),
-            "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C"],
-            "cwd": "/",
-            "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
-            # As the kubelet sets it for a container that adds SYS_ADMIN: Kubernetes
-            # refuses allowPrivilegeEscalation: false together with CAP_SYS_ADMIN.
-            "noNewPrivileges": False,
-        },
-        "root": {"path": str(rootfs), "readonly": True},
-        "hostname": "fuse-demo",
-        "mounts": mounts,
-        "linux": {
-            "namespaces": [{"type": kind} for kind in
-                           ("pid", "network", "ipc", "uts", "mount")],
-            "devices": nodes,
-            "resources": {"devices": [{"allow": False, "access": "rwm"}, *rules]},
-            "seccomp": container.seccomp,
-            "maskedPaths": list(MASKED),
-            "readonlyPaths": list(READ_ONLY),
-        },
-    }
-
-
-def run_container(container: Container, timeout: float = RUN_TIMEOUT
-                  ) -> subprocess.CompletedProcess[str]:
-    """Run it once with runc in a temp bundle; always deleted afterwards, even on timeout."""
-    with tempfile.TemporaryDirectory(prefix="fuse-oci-") as tmp:
-        work = Path(tmp)
-        rootfs = work / "rootfs"
-        rootfs.mkdir()
-        (work / "config.json").write_text(json.dumps(bundle_config(rootfs, container)))
-        name = f"fuse-oci-{os.getpid()}-{work.name[-8:]}"
-        state = work / "runc-state"
-        runc = ["runc", "--root", str(state)]
-        try:
-            return subprocess.run([*runc, "run", "--bundle", str(work), name],
-                                  capture_output=True, text=True, timeout=timeout,
-                                  check=False)
-        except subprocess.TimeoutExpired:
-            raise ContainerError(f"the container did not finish within {timeout:.0f}s"
-                                 ) from None
-        finally:
-            subprocess.run([*runc, "delete", "--force", name], capture_output=True,
-                           check=False, timeout=30)
-
-
 def make_image(source: Path, image: Path) -> None:
     source.mkdir()
     (source / "hello.txt").write_text(HELLO)
@@ -239,7 +855,7 @@ def make_image(source: Path, image: Path) -> None:
           "-quiet"], "mksquashfs")
 
 
-def run_mount_demo(specs: Sequence[Any]) -> MountResult:
+def run_mount_demo(specs: Sequence[api.DeviceSpec]) -> MountResult:
     """Build the image, run the demo container once, and return what it printed."""
     result = MountResult()
     with tempfile.TemporaryDirectory(prefix="fuse-demo-image-") as tmp:
@@ -252,8 +868,8 @@ def run_mount_demo(specs: Sequence[Any]) -> MountResult:
                       if rule.get("action") == "SCMP_ACT_ALLOW")
         nodes, _ = device_entries(container.devices)
         result.setup += [
-            "root filesystem: the host's /usr, read-only; a squashfs image made with "
-            "mksquashfs",
+            "root filesystem: the host's /usr and /etc, read-only; a squashfs image made "
+            "with mksquashfs",
             "device from the Allocate answer: " + ", ".join(
                 f"{n['path']} (c {n['major']}:{n['minor']}, cgroup rw)" for n in nodes),
             "capabilities: CAP_SYS_ADMIN only; not privileged; root filesystem read-only",
@@ -264,9 +880,7 @@ def run_mount_demo(specs: Sequence[Any]) -> MountResult:
         ]
         proc = run_container(container)
     if proc.returncode != 0:
-        said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-        raise ContainerError(f"the container failed (exit {proc.returncode}): "
-                             f"{said[-1] if said else 'no output'}")
+        raise _failed("the container", proc.returncode, proc.stdout, proc.stderr)
     result.output = proc.stdout.rstrip("\n").splitlines()
     return result
 
@@ -274,6 +888,11 @@ def run_mount_demo(specs: Sequence[Any]) -> MountResult:
 def _run(command: list[str], what: str) -> None:
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-        raise ContainerError(f"{what} failed (exit {proc.returncode}): "
-                             f"{said[-1] if said else 'no output'}")
+        raise _failed(what, proc.returncode, proc.stdout, proc.stderr)
+
+
+def _failed(what: str, returncode: int, stdout: str, stderr: str) -> ContainerError:
+    """One line for the demo's user: the last thing the program said."""
+    said = (stderr.strip() or stdout.strip()).splitlines()
+    return ContainerError(f"{what} failed (exit {returncode}): "
+                          f"{said[-1] if said else 'no output'}")

@@ -83,33 +83,35 @@ def test_describe_allocation_names_every_device_mount_and_env() -> None:
     ]
 
 
-def test_bundle_config_is_not_privileged(tmp_path: Path) -> None:
+def test_demo_container_is_a_pod_that_is_not_privileged(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root: the device node is made with mknod")
     node = tmp_path / "fuse"
     make_fuse_node(node)
-    rootfs = tmp_path / "rootfs"
-    rootfs.mkdir()
     spec = api.DeviceSpec(container_path="/dev/fuse", host_path=str(node), permissions="rw")
     seccomp = {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": []}
     image = tmp_path / "image"
     image.write_text("")
-    config = oci.bundle_config(rootfs, oci.Container(
+    config = oci.build_spec(oci.Container(
         args=("/bin/true",), devices=(spec,), seccomp=seccomp,
-        binds=((str(image), oci.IMAGE),)))
+        binds=((str(image), oci.IMAGE),)).request())
+    bundle = oci.write_bundle(tmp_path / "bundle", config)
     process, linux = config["process"], config["linux"]
     assert process["capabilities"]["effective"] == ["CAP_SYS_ADMIN"]
     assert "ambient" not in process["capabilities"]
     assert config["root"]["readonly"] is True
-    assert linux["seccomp"] is seccomp
+    assert linux["seccomp"] == seccomp
+    assert {"type": "network"} in linux["namespaces"]
     assert linux["devices"] == [{"type": "c", "path": "/dev/fuse", "major": 10, "minor": 229,
                                  "fileMode": 0o600, "uid": 0, "gid": 0}]
-    # Deny all devices first, then allow only the allocated node: what a pod gets.
-    assert linux["resources"]["devices"] == [
-        {"allow": False, "access": "rwm"},
-        {"allow": True, "type": "c", "major": 10, "minor": 229, "access": "rw"}]
+    # Deny all devices first, then containerd's defaults, then the allocated node: what a
+    # pod gets.
+    rules = linux["resources"]["devices"]
+    assert rules[0] == {"allow": False, "access": "rwm"}
+    assert rules[1:-1] == list(oci.DEFAULT_DEVICE_RULES)
+    assert rules[-1] == {"allow": True, "type": "c", "major": 10, "minor": 229, "access": "rw"}
     assert {m["destination"] for m in config["mounts"]} >= {"/proc", "/dev", "/usr", "/mnt"}
-    assert (rootfs / oci.IMAGE.lstrip("/")).is_file()
+    assert (bundle / "rootfs" / oci.IMAGE.lstrip("/")).is_file()
     assert not any(m["source"] == "/dev" for m in config["mounts"])
     assert "/proc/kcore" in linux["maskedPaths"]
 
@@ -118,7 +120,7 @@ def test_device_entries_refuse_a_non_device(tmp_path: Path) -> None:
     plain = tmp_path / "plain"
     plain.write_text("")
     spec = api.DeviceSpec(container_path="/dev/fuse", host_path=str(plain), permissions="rw")
-    with pytest.raises(oci.ContainerError, match="not a character device"):
+    with pytest.raises(oci.ContainerError, match="not a device node"):
         oci.device_entries([spec])
 
 

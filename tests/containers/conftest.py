@@ -4,40 +4,24 @@ and the servers."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from fuse_plugin import oci
 from fuse_plugin.api import api_pb2 as api
-from tests.containers import oci, plugin
+from tests.containers import plugin
 from tests.containers.servers import Moto, Sshd
 
 FUSE = Path("/dev/fuse")
 
 
-def _fuse_device_problem() -> str:
-    try:
-        st = FUSE.stat()
-    except FileNotFoundError:
-        return "no /dev/fuse on this machine (FUSE not available in the kernel or VM)"
-    if not stat.S_ISCHR(st.st_mode) or (os.major(st.st_rdev), os.minor(st.st_rdev)) != (10, 229):
-        return "/dev/fuse is not the FUSE character device 10:229"
-    return ""
-
-
 def machine_problem() -> str:
     """Why this machine cannot run the container tests, or '' when it can."""
-    if os.geteuid() != 0:
-        return "needs root: runc containers with cgroups, device nodes and mounts"
-    problem = _fuse_device_problem()
-    if problem:
-        return problem
-    if shutil.which(oci.RUNC) is None:
-        return "runc is not installed (scripts/install --dev installs it)"
+    blockers = oci.runc_blockers(FUSE)
+    if blockers:
+        return blockers[0]
     if not Path("/sys/fs/cgroup/devices").is_dir() and not Path(
             "/sys/fs/cgroup/cgroup.controllers").exists():
         return "no devices cgroup: the device allow-list cannot be enforced here"

@@ -8,8 +8,9 @@ from collections.abc import Callable
 
 import pytest
 
+from fuse_plugin import oci
 from fuse_plugin.api import api_pb2 as api
-from tests.containers import oci, profiles, workloads
+from tests.containers import profiles, workloads
 from tests.containers.workloads import Workload
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from fuse_plugin import oci
 from fuse_plugin.api import api_pb2 as api
-from tests.containers import oci, profiles
+from tests.containers import profiles
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +39,7 @@ def host_dev(runc: oci.Runc) -> Path:
     return dev
 
 
-def opens(container: oci.Container, *paths: str) -> dict[str, str]:
+def opens(container: oci.RuncContainer, *paths: str) -> dict[str, str]:
     out = container.exec("python3", "-c", OPEN, *paths).check().stdout
     return {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.splitlines()}
 

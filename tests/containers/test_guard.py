@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from fuse_plugin import oci
 from fuse_plugin.api import api_pb2 as api
-from tests.containers import oci, workloads
+from tests.containers import workloads
 from tests.containers.servers import Sshd
 from tests.containers.workloads import SSH_MOUNT
 

@@ -7,8 +7,8 @@ import json
 import os
 from pathlib import Path
 
+from fuse_plugin import oci
 from fuse_plugin.api import api_pb2 as api
-from tests.containers import oci
 
 
 def _response() -> api.ContainerAllocateResponse:
@@ -88,3 +88,19 @@ def test_host_devices_lists_nodes_only(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     (tmp_path / "null").symlink_to("/dev/null")
     assert oci.host_devices(tmp_path) == []
+
+
+def test_drop_all_read_only_root_own_network_and_empty_dirs() -> None:
+    spec = oci.build_spec(oci.ContainerRequest(
+        args=["true"], add_capabilities=["CAP_SYS_ADMIN", "CAP_SYS_CHROOT"],
+        drop_capabilities=[oci.DROP_ALL], readonly_rootfs=True, host_network=False,
+        tmpfs=["/run"]))
+    assert spec["process"]["capabilities"]["bounding"] == ["CAP_SYS_ADMIN", "CAP_SYS_CHROOT"]
+    assert spec["root"]["readonly"] is True
+    assert {"type": "network"} in spec["linux"]["namespaces"]
+    run = [m for m in spec["mounts"] if m["destination"] == "/run"]
+    assert run == [{"destination": "/run", "type": "tmpfs", "source": "tmpfs",
+                    "options": list(oci.EMPTY_DIR_OPTIONS)}]
+    default = oci.build_spec(oci.ContainerRequest(args=["true"]))
+    assert default["root"]["readonly"] is False
+    assert {"type": "network"} not in default["linux"]["namespaces"]

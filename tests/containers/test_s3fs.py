@@ -8,8 +8,9 @@ import hashlib
 
 import pytest
 
+from fuse_plugin import oci
 from fuse_plugin.api import api_pb2 as api
-from tests.containers import oci, workloads
+from tests.containers import workloads
 from tests.containers.servers import Moto
 from tests.containers.workloads import BUCKET, S3_MOUNT
 
@@ -57,5 +58,5 @@ def test_s3fs_reads_and_writes_a_bucket(allocation: api.ContainerAllocateRespons
     # a clean unmount: the mount is gone and so is the FUSE connection (s3fs exited)
     container.exec(*work.unmount()).check()
     assert container.mounts() == []
-    oci.wait_for(lambda: not (oci.FUSECTL / str(connection)).exists(), 10,
-                 f"FUSE connection {connection} to close after umount")
+    workloads.wait_for(lambda: not (oci.FUSECTL / str(connection)).exists(), 10,
+                       f"FUSE connection {connection} to close after umount")

@@ -8,8 +8,9 @@ import os
 
 import pytest
 
+from fuse_plugin import oci
 from fuse_plugin.api import api_pb2 as api
-from tests.containers import oci, workloads
+from tests.containers import workloads
 from tests.containers.servers import Sshd
 from tests.containers.workloads import SSH_MOUNT
 
@@ -50,5 +51,5 @@ def test_sshfs_reads_and_writes_a_remote_directory(
     # a clean unmount, as a user would do it
     container.exec("fusermount3", "-u", SSH_MOUNT).check()
     assert container.mounts() == []
-    oci.wait_for(lambda: not (oci.FUSECTL / str(connection)).exists(), 10,
-                 f"FUSE connection {connection} to close after fusermount3 -u")
+    workloads.wait_for(lambda: not (oci.FUSECTL / str(connection)).exists(), 10,
+                       f"FUSE connection {connection} to close after fusermount3 -u")

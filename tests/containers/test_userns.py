@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from fuse_plugin import oci
 from fuse_plugin.api import api_pb2 as api
-from tests.containers import oci, workloads
+from tests.containers import workloads
 from tests.containers.servers import Moto, Sshd
 from tests.containers.workloads import BUCKET
 
@@ -47,7 +48,7 @@ def _workload(name: str, runc: oci.Runc, request: pytest.FixtureRequest
 
 def _userns_mount(allocation: api.ContainerAllocateResponse, runc: oci.Runc,
                   work: workloads.Workload, remove_rule: bool = False, **extra: object
-                  ) -> tuple[oci.Container, oci.Result]:
+                  ) -> tuple[oci.RuncContainer, oci.Result]:
     spec = oci.build_spec(workloads.container_request(work, allocation, host_users=False,
                                                       **extra))
     if remove_rule:

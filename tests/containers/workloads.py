@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fuse_plugin.api import api_pb2 as api
+from fuse_plugin.oci import Bind, ContainerRequest, Result, RuncContainer
 from tests.containers import profiles
-from tests.containers.oci import (
-    Bind,
-    Container,
-    ContainerRequest,
-    Result,
-    wait_for,
-)
 from tests.containers.servers import LOOPBACK, Moto, Sshd
 
 BUCKET = "fuse-e2e"
@@ -83,6 +79,19 @@ def lxcfs() -> Workload:
         LXCFS_MOUNT)
 
 
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
+             interval: float = 0.02) -> Any:
+    """Poll real state until ``predicate()`` is truthy; fail with ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what}: not within {timeout}s")
+        time.sleep(interval)
+
+
 HOLD = ["sleep", "infinity"]  # the container's init; workloads run with ``exec``
 
 
@@ -101,7 +110,7 @@ def container_request(workload: Workload, allocation: api.ContainerAllocateRespo
     return ContainerRequest(**fields)
 
 
-def mount(container: Container, workload: Workload, timeout: float = 20.0) -> Result:
+def mount(container: RuncContainer, workload: Workload, timeout: float = 20.0) -> Result:
     """Run the workload's mount command in the container. For a daemon that stays in the
     foreground (lxcfs) it runs detached, and this returns once the mount is there or the
     daemon has exited (its output is then the result)."""
