@@ -103,7 +103,7 @@ def test_apparmor_profile_shape(preset: str) -> None:
     assert apparmor.profile_name_of(text) == name
     rules = [line.split("#")[0].strip() for line in text.splitlines()]
     assert "deny mount," not in rules
-    assert "deny mount fstype=fuseblk," in rules
+    assert "audit deny mount fstype=fuseblk," in rules
     for kept in ("network,", "capability,", "file,", "deny @{PROC}/kcore rwklx,",
                  "deny /sys/kernel/security/** rwklx,", f"signal (send,receive) peer={name},"):
         assert kept in rules
@@ -137,7 +137,7 @@ def test_apparmor_flag_combinations_are_small_and_documented() -> None:
 
 
 def test_apparmor_lint_rejects_the_runtime_default_deny_mount() -> None:
-    text = profiles.render_apparmor("s3fs").replace("  deny mount fstype=fuseblk,",
+    text = profiles.render_apparmor("s3fs").replace("  audit deny mount fstype=fuseblk,",
                                                      "  deny mount,")
     assert any("shadows the FUSE mount rules" in e for e in lint.apparmor(text))
     text = profiles.render_apparmor("generic").replace("fuseblk", "fuse.*")

@@ -201,7 +201,7 @@ def test_bad_profile_keeps_the_previous_one(node: Node, log: logging.Logger) -> 
 
 def test_lint_and_name_errors_are_rejected(tmp_path: Path, log: logging.Logger) -> None:
     node = Node(tmp_path, kernel_apparmor=False)
-    denied = profiles.render_apparmor("s3fs").replace("deny mount fstype=fuseblk,",
+    denied = profiles.render_apparmor("s3fs").replace("audit deny mount fstype=fuseblk,",
                                                        "deny mount,")
     node.configmap.publish({
         S3FS: denied.encode(),

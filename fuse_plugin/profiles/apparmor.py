@@ -122,9 +122,11 @@ def render(preset_name: str, name: str | None = None, mountpoint: str | None = N
         "",
         "  # Block devices stay out of reach, and nothing is mounted on or unmounted",
         "  # from /proc, /sys or /dev: the runtime writes there on exec and masks them.",
-        "  deny mount fstype=fuseblk,",
-        f"  deny mount -> {PROTECTED},",
-        f"  deny umount {PROTECTED},",
+        "  # 'audit' makes each refusal leave an apparmor=\"DENIED\" line (plain deny is",
+        "  # silent), so the node's log says which rule stopped a mount.",
+        "  audit deny mount fstype=fuseblk,",
+        f"  audit deny mount -> {PROTECTED},",
+        f"  audit deny umount {PROTECTED},",
         "}",
     ]
     return "\n".join(lines) + "\n"
