@@ -669,7 +669,8 @@ def build_rows(plugin: dict[str, Any], floor: dict[str, Any], sizes: Sizes) -> l
     for slots in (str(s) for s in sizes.scale_slots):
         ours, base = scale[slots], fscale[slots]
         timing(f"scale_{slots}_list",
-               f"5. {int(slots):,} slots: ListAndWatch first list ({ours['list']['bytes']:,} B)",
+               f"{'5.' if slots == smallest else '  '} {int(slots):,} slots: ListAndWatch first "
+               f"list ({ours['list']['bytes']:,} B)",
                ours["list"], base["list"])
         ok = None
         target = ""
