@@ -30,6 +30,7 @@ from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.config import API_VERSION, KUBELET_SOCKET, resource_name
 
 DIAL_TIMEOUT = 5.0
+STOP_GRACE = 2.0
 
 
 @dataclass
@@ -84,7 +85,11 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.stop(grace=None).wait()
+            # A grace period lets a Register already answered here reach the plugin:
+            # tests count registrations, and a reply cut off in flight would make the
+            # plugin (rightly) register again. Only short Register calls run on this
+            # server, so the grace never waits long.
+            self._server.stop(grace=STOP_GRACE).wait()
             self._server = None
         with self._cond:
             endpoints, self._endpoints = self._endpoints, {}
