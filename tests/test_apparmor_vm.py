@@ -4,8 +4,9 @@ One VM run per session (tests/apparmor_vm/run_vm.py) boots Debian's 6.1 kernel w
 loads the profile `fuse-device-plugin profile apparmor` generates for every preset plus a
 runtime-default control (`deny mount,`), and inside the guest runs each preset's real FUSE
 program confined by its profile (s3fs against moto's S3 server, sshfs against sshd, bindfs,
-lxcfs, all on 127.0.0.1 in the guest), then, from the same confined shell, mount(2) probes that
-must be refused. The console log is the evidence; these tests read it.
+lxcfs, all on 127.0.0.1 in the guest; lxcfs's files bound over /proc as the lxcfs example
+does), then, from the same confined shell, mount(2) probes that must be refused. The console
+log is the evidence; these tests read it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from fuse_plugin.profiles import presets
 from tests.apparmor_vm import run_vm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -38,7 +40,19 @@ REFUSED_PROBES = (
     "fuseblk",
     "fuse-suid",
     "fuse-dev",
+    "proc-tmpfs",  # a tmpfs over /proc
+    "proc-bind",  # another file bound over /proc/meminfo
+    "proc-sysbind",  # a directory bound over /proc/sys
+    "noflags-proc",  # a flagless procfs where lxcfs may only bind (AppArmor 3.0's "rw" trap)
 )
+# Binds of lxcfs's own files the lxcfs profile must refuse (in the child namespace, lxcfs up).
+LXCFS_REFUSED_BINDS = (
+    "lxcfs-swap",  # /var/lib/lxcfs/proc/meminfo over /proc/cpuinfo: a file over another name
+    "lxcfs-other",  # ... over /proc/version, which lxcfs does not serve
+    "lxcfs-rbind",  # ... over /proc/meminfo, but recursive
+)
+# guest-tests.sh's cgroup for the lxcfs reader: one CPU and 256 MiB, which only lxcfs reports.
+LXCFS_CGROUP_MEMTOTAL_KB = 256 * 1024
 
 
 @dataclass
@@ -74,6 +88,7 @@ class ConsoleLog:
         return log
 
     def denied(self, profile: str, comm: str) -> list[str]:
+        comm = comm[:15]  # the kernel keeps the first 15 bytes of a process name
         return [
             a
             for a in self.audit
@@ -170,6 +185,28 @@ def test_fuse_outside_the_mountpoint_only_where_narrowed(console: ConsoleLog, ru
     else:
         assert status.startswith("errno=EACCES"), console.evidence(run)
         assert console.denied(spec.profile, "mt-fuse-outside"), console.evidence(run)
+
+
+def test_lxcfs_profile_binds_lxcfs_files_over_proc(console: ConsoleLog) -> None:
+    """The example's step 2 under the lxcfs profile: each served file bound over /proc."""
+    ev = console.evidence("lxcfs")
+    binds = {check.removeprefix("proc-bind:"): status
+             for (run, check), status in console.results.items()
+             if run == "lxcfs" and check.startswith("proc-bind:")}
+    assert binds == {name: "ok" for name in presets.LXCFS_PROC_FILES}, ev
+    assert "fuse.lxcfs" in console.mountinfo.get(("lxcfs", "proc-meminfo"), ""), ev
+    meminfo = console.results.get(("lxcfs", "proc-meminfo"), "")
+    assert meminfo.startswith(f"ok MemTotal={LXCFS_CGROUP_MEMTOTAL_KB} kB"), ev
+    assert console.results.get(("lxcfs", "proc-cpuinfo"), "").startswith("ok processors=1"), ev
+    assert console.results.get(("lxcfs", "proc-namespace")) == "exit=0", ev
+
+
+@pytest.mark.parametrize("probe", LXCFS_REFUSED_BINDS)
+def test_lxcfs_profile_refuses_other_binds_of_its_files(console: ConsoleLog, probe: str) -> None:
+    status = console.results.get(("lxcfs", probe), "(no result)")
+    ev = console.evidence("lxcfs")
+    assert status.startswith("errno=EACCES"), f"{probe}: {status}\n{ev}"
+    assert console.denied(RUNS["lxcfs"].profile, f"mt-{probe}"), f"no DENIED line for {probe}\n{ev}"
 
 
 def test_runtime_default_control_refuses_the_fuse_mount(console: ConsoleLog) -> None:

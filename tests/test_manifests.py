@@ -306,6 +306,17 @@ def test_examples_cover_s3fs_sshfs_and_an_lxcfs_daemonset() -> None:
     assert found >= {("Pod", "s3fs"), ("Pod", "sshfs"), ("DaemonSet", "lxcfs")}
 
 
+def test_lxcfs_example_binds_what_the_lxcfs_profile_allows() -> None:
+    """Step 2's files are the preset's proc_binds: one more would fail on AppArmor nodes."""
+    daemonset = one(EXAMPLES / "lxcfs-daemonset.yaml", "DaemonSet")
+    (container,) = containers(daemonset)
+    script = container["command"][2]
+    loops = [line.split(" in ", 1)[1].split(";")[0].split() for line in script.splitlines()
+             if line.strip().startswith("for f in ")]
+    assert loops == [list(profiles.PRESETS["lxcfs"].proc_binds)]
+    assert 'mount --bind "/var/lib/lxcfs/proc/$f" "/proc/$f"' in script
+
+
 # -- the lxcfs example, for real -----------------------------------------------------------
 
 def lxcfs_blockers() -> list[str]:

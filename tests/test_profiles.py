@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fuse_plugin import cli, profiles
-from fuse_plugin.profiles import apparmor, lint, seccomp, validate
+from fuse_plugin.profiles import apparmor, lint, presets, seccomp, validate
 
 PRESETS = sorted(profiles.PRESETS)
 FUSE_PRESETS = [name for name in PRESETS if name != "lxcfs"]
@@ -126,6 +126,55 @@ def test_apparmor_mountpoint_and_name_narrow_the_rules() -> None:
     assert "--name team-a-sshfs --mountpoint /mnt/remote" in text
     assert apparmor.mount_target("/mnt/**") == "/mnt/**"
     assert apparmor.mount_target("/mnt/") == "/mnt/"
+
+
+def mount_rules(text: str) -> list[str]:
+    rules = [line.split("#")[0].strip() for line in text.splitlines()]
+    return [r for r in rules if r.split(" ", 1)[0] in ("mount", "audit", "umount", "remount")]
+
+
+@pytest.mark.parametrize("preset", FUSE_PRESETS)
+def test_fuse_presets_deny_every_mount_on_proc_sys_and_dev(preset: str) -> None:
+    rules = mount_rules(profiles.render_apparmor(preset))
+    assert rules[-3:] == ["audit deny mount fstype=fuseblk,",
+                          "audit deny mount -> {/proc,/sys,/dev}{,/**},",
+                          "audit deny umount {/proc,/sys,/dev}{,/**},"]
+    assert not [r for r in rules if "/proc" in r and not r.startswith("audit deny")]
+
+
+def test_lxcfs_binds_its_files_over_their_own_proc_names_only() -> None:
+    rules = mount_rules(profiles.render_apparmor("lxcfs"))
+    binds = [r for r in rules if r.startswith("mount") and "/proc" in r]
+    assert binds == [f"mount options=(bind) /var/lib/lxcfs/proc/{name} -> /proc/{name},"
+                     for name in presets.LXCFS_PROC_FILES]
+    # A deny beats every allow: /proc is denied in parts, none of which matches those binds.
+    assert rules[-6:] == [
+        "audit deny mount fstype=fuseblk,",
+        "audit deny mount -> {/sys,/dev}{,/**},",
+        "audit deny mount -> /proc{,/,/*/**},",
+        "audit deny mount fstype=?* -> /proc/*,",
+        "audit deny mount options=(move) -> /proc/*,",
+        "audit deny umount {/proc,/sys,/dev}{,/**},",
+    ]
+    narrowed = profiles.render_apparmor("lxcfs", mountpoint="/srv/lxcfs/")
+    assert "mount options=(bind) /srv/lxcfs/proc/meminfo -> /proc/meminfo," in narrowed
+
+
+def test_apparmor_lint_rejects_mount_options_apparmor_3_widens() -> None:
+    text = profiles.render_apparmor("lxcfs")
+    assert lint.apparmor(text) == []
+    for rule in ("mount options=(rw,bind) / -> /run/lxcfs/root/,",
+                 "mount options=(ro,bind) /a/ -> /b/,",
+                 "mount options in (rw,move) /a/ -> /b/,",
+                 "mount options=(nosuid,make-rprivate) -> /,"):
+        widened = text.replace("  pivot_root", f"  {rule}\n  pivot_root")
+        errors = lint.apparmor(widened)
+        assert len(errors) == 1, (rule, errors)
+        assert "also allowing a mount of any filesystem type" in errors[0], (rule, errors)
+    for fine in ("mount options=(bind) /a/ -> /b/,", "mount options in (bind,rbind) /a/ -> /b/,",
+                 "mount fstype=tmpfs options=(rw,nosuid) -> /b/,",
+                 "mount options=(remount,ro) -> /b/,"):
+        assert lint.apparmor(text.replace("  pivot_root", f"  {fine}\n  pivot_root")) == []
 
 
 def test_apparmor_flag_combinations_are_small_and_documented() -> None:

@@ -8,8 +8,10 @@ compiles them into the policy DFA as a kernel with mount mediation would.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,102 @@ def test_broken_profile_fails_to_parse(tmp_path: Path, breakage: str) -> None:
     for features in feature_sets():
         result = parse(path, *features)
         assert result.returncode != 0, f"{breakage}: parser accepted it\n{result.stderr}"
+
+
+# -- what the compiled mount rules decide -------------------------------------------------
+#
+# `apparmor_parser -D rule-exprs` prints each rule as the expression it adds to the policy
+# DFA. For a mount the kernel walks that DFA over the mountpoint, NUL, the source, NUL, the
+# filesystem type, NUL, then one byte per set mount flag (bit number + 1) and allows the
+# mount when a rule with the mount permission matches and no deny rule does. Matching the
+# printed expressions the same way answers "would this mount(2) pass?" without a kernel:
+# the VM stage (tests/test_apparmor_vm.py) asks the real one.
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT = 1, 2, 4, 32
+MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 4096, 8192, 16384, 1 << 18
+AA_MAY_MOUNT = 0x2
+RULE_EXPR = re.compile(r"^rule: (\\x07\S*)  ->  .*?(?P<deny> deny)? \((?P<perms>0x[0-9a-f]+)/")
+
+
+@dataclass(frozen=True)
+class MountRules:
+    allow: tuple[re.Pattern[bytes], ...]
+    deny: tuple[re.Pattern[bytes], ...]
+
+    def allows(self, target: str, source: str, fstype: str, flags: int) -> bool:
+        """As the kernel's mount check: the fields NUL-separated, then the flag bytes."""
+        flag_bytes = bytes(bit + 1 for bit in range(32) if flags & (1 << bit))
+        walked = b"\x07" + b"\x00".join(
+            s.encode() for s in (target, source, fstype)) + b"\x00" + flag_bytes
+        return (any(p.fullmatch(walked) for p in self.allow)
+                and not any(p.fullmatch(walked) for p in self.deny))
+
+
+def compiled_mount_rules(tmp_path: Path, preset: str, mountpoint: str | None = None) -> MountRules:
+    if not FEATURES.is_file():
+        pytest.skip(f"{FEATURES} missing: mount rules compile only with a feature set")
+    assert PARSER is not None
+    path = tmp_path / preset
+    path.write_text(profiles.render_apparmor(preset, None, mountpoint))
+    out = subprocess.run([PARSER, "-Q", "-K", "-M", str(FEATURES), "-D", "rule-exprs", str(path)],
+                         capture_output=True, text=True, timeout=60, check=True)
+    allow: list[re.Pattern[bytes]] = []
+    deny: list[re.Pattern[bytes]] = []
+    for line in (out.stdout + out.stderr).splitlines():
+        m = RULE_EXPR.match(line)
+        if m and int(m.group("perms"), 16) & AA_MAY_MOUNT:
+            (deny if m.group("deny") else allow).append(re.compile(m.group(1).encode()))
+    if not allow or not deny:
+        pytest.skip("this apparmor_parser prints no mount rule expressions with -D rule-exprs")
+    return MountRules(tuple(allow), tuple(deny))
+
+
+LXCFS_FILE = "/var/lib/lxcfs/proc/meminfo"
+
+
+def test_lxcfs_rules_let_exactly_its_files_be_bound_over_proc(tmp_path: Path) -> None:
+    rules = compiled_mount_rules(tmp_path, "lxcfs")
+    for name in profiles.presets.LXCFS_PROC_FILES:
+        assert rules.allows(f"/proc/{name}", f"/var/lib/lxcfs/proc/{name}", "", MS_BIND), name
+        assert not rules.allows(f"/proc/{name}", f"/var/lib/lxcfs/proc/{name}", "",
+                                MS_BIND | MS_REC), name
+    # lxcfs's own start-up mounts and its FUSE mount still pass beside the narrowed denials.
+    assert rules.allows("/", "", "", MS_REC | MS_PRIVATE)
+    assert rules.allows("/run/lxcfs/root/", "/", "", MS_BIND)
+    assert rules.allows("/var/lib/lxcfs/", "lxcfs", "fuse.lxcfs", MS_NOSUID | MS_NODEV)
+    refused = {
+        "another file over /proc/meminfo": ("/proc/meminfo", "/etc/hostname", "", MS_BIND),
+        "a served file over another": ("/proc/cpuinfo", LXCFS_FILE, "", MS_BIND),
+        "over a file lxcfs does not serve": ("/proc/version", LXCFS_FILE, "", MS_BIND),
+        "over /proc/sys": ("/proc/sys/", "/etc/", "", MS_BIND),
+        "over /proc/self/attr": ("/proc/1/attr/", "/etc/", "", MS_BIND),
+        "over /dev/null": ("/dev/null", "/etc/hostname", "", MS_BIND),
+        "tmpfs on /proc": ("/proc/", "tmpfs", "tmpfs", MS_NOSUID | MS_NODEV),
+        "tmpfs on /proc/meminfo": ("/proc/meminfo", "tmpfs", "tmpfs", 0),
+        "fuse on /proc/meminfo": ("/proc/meminfo", "lxcfs", "fuse.lxcfs", MS_NOSUID | MS_NODEV),
+        "a new mount named like a bind": ("/proc/meminfo", LXCFS_FILE, "proc", 0),
+        "a move onto /proc/meminfo": ("/proc/meminfo", "/mnt/x/", "", MS_MOVE),
+        "remount /sys rw": ("/sys/", "", "", MS_REMOUNT),
+        "remount /proc ro": ("/proc/", "", "", MS_REMOUNT | MS_RDONLY),
+        # AppArmor 3.0 reads options=(rw,bind) as the bind plus any flagless mount there.
+        "procfs where only a bind is allowed": ("/run/lxcfs/root/", "/", "proc", 0),
+        "procfs over / (rw,rprivate)": ("/", "proc", "proc", 0),
+    }
+    for what, mount in refused.items():
+        assert not rules.allows(*mount), what
+
+
+def test_lxcfs_binds_follow_its_mountpoint(tmp_path: Path) -> None:
+    rules = compiled_mount_rules(tmp_path, "lxcfs", "/srv/lxcfs/")
+    assert rules.allows("/proc/meminfo", "/srv/lxcfs/proc/meminfo", "", MS_BIND)
+    assert not rules.allows("/proc/meminfo", LXCFS_FILE, "", MS_BIND)
+    assert not rules.allows("/proc/meminfo", "lxcfs", "fuse.lxcfs", MS_NOSUID | MS_NODEV)
+
+
+@pytest.mark.parametrize("preset", ["s3fs", "sshfs", "generic"])
+def test_fuse_presets_refuse_every_mount_on_proc(tmp_path: Path, preset: str) -> None:
+    rules = compiled_mount_rules(tmp_path, preset)
+    assert rules.allows("/mnt/data/", "fdp", "fuse", MS_NOSUID | MS_NODEV)
+    assert not rules.allows("/proc/meminfo", LXCFS_FILE, "", MS_BIND)
+    assert not rules.allows("/proc/meminfo", "fdp", "fuse", MS_NOSUID | MS_NODEV)
+    assert not rules.allows("/proc/", "tmpfs", "tmpfs", MS_NOSUID | MS_NODEV)

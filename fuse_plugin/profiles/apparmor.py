@@ -9,7 +9,8 @@ writes under /sys except the cgroup tree, nothing at all in /sys/firmware, power
 beats every allow rule, so no FUSE rule could work beside it) and in its place come
 mount rules for the preset's FUSE types only, with nosuid,nodev, optionally narrowed to
 a mountpoint glob, plus explicit denials for fuseblk and for anything mounted on or
-unmounted from /proc, /sys and /dev.
+unmounted from /proc, /sys and /dev. One exception, lxcfs's: binds of the files it
+serves over the same names in /proc (``Preset.proc_binds``).
 
 The profile is self-contained (it defines ``@{PROC}`` itself and includes nothing), so
 ``apparmor_parser`` checks and loads it the same on every node, whatever abstractions
@@ -45,6 +46,9 @@ SYS_DENIALS = (
     ("deny /sys/kernel/security/** rwklx,", "the LSM interfaces, this policy included"),
 )
 PROTECTED = "{" + ",".join(validate.PROTECTED_TREES) + "}{,/**}"
+# The same without /proc, for profiles that bind files over /proc (see proc_mount_denials).
+PROTECTED_BUT_PROC = "{" + ",".join(
+    tree for tree in validate.PROTECTED_TREES if tree != "/proc") + "}{,/**}"
 
 
 def mount_target(glob: str) -> str:
@@ -69,6 +73,42 @@ def fuse_rules(fstypes: tuple[str, ...], target: str) -> list[str]:
     return [
         f"mount fstype={fstype} options=({','.join(flags)}) -> {target},"
         for fstype in fstypes for flags in flag_sets()
+    ]
+
+
+def proc_bind_rules(files: tuple[str, ...], glob: str) -> list[str]:
+    """Binds of ``<mountpoint>/proc/NAME`` over ``/proc/NAME``, one rule per file.
+
+    One rule each, not one with alternations, so a file can only go over its own name.
+    ``options=(bind)`` and not ``(rw,bind)``: the kernel checks a bind's flags after
+    dropping all but bind and rec, so both allow the same binds, but AppArmor 3.0's parser
+    makes ``rw,bind`` also allow any mount without flags from that source to that target.
+    """
+    root = glob.rstrip("/")
+    return [f"mount options=(bind) {root}/proc/{name} -> /proc/{name}," for name in files]
+
+
+def proc_mount_denials() -> list[str]:
+    """The mount denials on /proc, /sys and /dev for a profile that binds files over /proc.
+
+    A deny rule beats every allow rule and AppArmor has no "except" for a deny, so the
+    usual one rule for all three trees would refuse those binds. /proc is denied in parts
+    that leave them out instead: /proc itself, each directory in it (a directory's path
+    ends in '/') and everything below those, in full; on the files directly in /proc, every
+    new mount (a bind names no filesystem type, every other mount does) and every move.
+    What is left there - a bind, a remount, a propagation change - is refused because no
+    rule allows it (AppArmor logs that with a DENIED line too), except the binds above; a
+    remount or propagation change needs a mount rooted at the file, so can only touch those.
+    """
+    return [
+        "  # ...except the binds over /proc above: a deny beats every allow, so /proc is",
+        "  # denied in parts that leave them out. Nothing on /proc, its directories or",
+        "  # below them; on its files no new mount and no move (binds, remounts and",
+        "  # propagation changes there are refused unless allowed above, logged alike).",
+        f"  audit deny mount -> {PROTECTED_BUT_PROC},",
+        "  audit deny mount -> /proc{,/,/*/**},",
+        "  audit deny mount fstype=?* -> /proc/*,",
+        "  audit deny mount options=(move) -> /proc/*,",
     ]
 
 
@@ -118,6 +158,9 @@ def render(preset_name: str, name: str | None = None, mountpoint: str | None = N
         lines += ["", f"  # {preset_name} needs more than FUSE mounts (see the preset's docs):"]
         lines += [f"  {rule}" for rule in preset.extra_apparmor]
         lines += [f"  umount {path}," for path in preset.extra_umounts]
+    if preset.proc_binds:
+        lines += ["", f"  # Its files bound over their own names in /proc, from below {glob}:"]
+        lines += [f"  {rule}" for rule in proc_bind_rules(preset.proc_binds, glob)]
     lines += [
         "",
         "  # Block devices stay out of reach, and nothing is mounted on or unmounted",
@@ -125,7 +168,12 @@ def render(preset_name: str, name: str | None = None, mountpoint: str | None = N
         "  # 'audit' makes each refusal leave an apparmor=\"DENIED\" line (plain deny is",
         "  # silent), so the node's log says which rule stopped a mount.",
         "  audit deny mount fstype=fuseblk,",
-        f"  audit deny mount -> {PROTECTED},",
+    ]
+    if preset.proc_binds:
+        lines += proc_mount_denials()
+    else:
+        lines.append(f"  audit deny mount -> {PROTECTED},")
+    lines += [
         f"  audit deny umount {PROTECTED},",
         "}",
     ]

@@ -1,9 +1,10 @@
 """Our own checks on profiles, for what the tools accept silently.
 
 ``apparmor_parser`` happily loads a profile whose ``deny mount,`` shadows every FUSE rule
-(deny wins), and runc skips a seccomp rule whose syscall name it cannot resolve, so a typo
-is an allow rule that never exists. The installer refuses profiles with lint errors; the
-generator's own output must always pass (the tests hold it to that).
+(deny wins), AppArmor 3.0's parser widens ``mount options=(rw,bind)`` into a second rule
+allowing any filesystem there, and runc skips a seccomp rule whose syscall name it cannot
+resolve, so a typo is an allow rule that never exists. The installer refuses profiles with
+lint errors; the generator's own output must always pass (the tests hold it to that).
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ ARCHITECTURES = frozenset({
 # Keys of Docker's profile format that containerd drops without a word.
 DOCKER_ONLY = ("includes", "excludes", "archMap", "comment", "name")
 FUSE_FSTYPE = re.compile(r"^fuse(\.|$)")
+# mount(2) operations on an existing mount whose other flags the kernel drops before
+# AppArmor sees them: binds, moves and propagation changes.
+MOUNT_COMMANDS = frozenset({
+    "bind", "B", "rbind", "R", "move", "M",
+    *(f"{prefix}{kind}" for prefix in ("", "r", "make-", "make-r")
+      for kind in ("private", "shared", "slave", "unbindable")),
+})
 
 _RULE_END = re.compile(r",\s*(#.*)?$")
 
@@ -73,6 +81,7 @@ def apparmor(text: str) -> list[str]:
     for number, rule in rules:
         words = _words(rule)
         if words[:1] == ["mount"]:
+            errors += _widened(number, rule)
             fstype = _fstype(rule)
             if fstype and FUSE_FSTYPE.match(fstype):
                 allowed_fstypes.append(fstype)
@@ -98,6 +107,34 @@ def apparmor(text: str) -> list[str]:
     if not allowed_fstypes:
         errors.append("no mount rule for a FUSE filesystem type (fuse or fuse.*)")
     return errors
+
+
+def _widened(number: int, rule: str) -> list[str]:
+    """A bind/move/propagation allow rule that AppArmor 3.0 also reads as a new mount.
+
+    apparmor_parser 3.0 (Debian 12, Ubuntu 22.04) compiles ``options=(rw,bind)``, or any
+    such operation with another flag beside it, into the operation AND a new mount with
+    the other flags, of any filesystem type unless the rule names one: ``mount
+    options=(rw,bind) / -> /x/`` then also lets the confined process mount a fresh procfs
+    on /x (the VM stage saw it). The kernel ignores those other flags for these
+    operations, so they can go. A remount is widened the same way, but its flags matter
+    and no spelling avoids it, so remount rules are not reported here.
+    """
+    if _fstype(rule) is not None:
+        return []
+    options = re.search(r"options\s*(?:=|\sin)\s*\(([^)]*)\)", rule)
+    if not options:
+        return []
+    flags = {f.strip() for f in options.group(1).split(",") if f.strip()}
+    if "remount" in flags:
+        return []
+    commands = flags & MOUNT_COMMANDS
+    others = sorted(flags - MOUNT_COMMANDS)
+    if not commands or not others:
+        return []
+    return [f"line {number}: AppArmor 3.0 reads '{rule}' as also allowing a mount of any "
+            f"filesystem type with {','.join(others)} there; write "
+            f"options=({','.join(sorted(commands))})"]
 
 
 def _unbalanced(text: str) -> bool:

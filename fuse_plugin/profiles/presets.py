@@ -36,6 +36,9 @@ class Preset:
     extra_apparmor: tuple[str, ...] = ()
     # Other unmounts the program performs besides its own FUSE mountpoint.
     extra_umounts: tuple[str, ...] = ()
+    # Files directly in /proc the workload may bind over from the same name under
+    # <mountpoint>/proc/ (lxcfs's files); every other mount on /proc stays denied.
+    proc_binds: tuple[str, ...] = ()
 
 
 _FUSE_SYSCALLS = ("mount", "umount2")
@@ -44,16 +47,23 @@ _FUSE_SYSCALLS = ("mount", "umount2")
 # mounts a tmpfs on /run/lxcfs/controllers and the cgroup hierarchies beneath it,
 # bind-mounts / and /run into /run/lxcfs/root, moves the controllers there, pivots into
 # it and detaches the old root; then setns() back to serve FUSE from the first namespace.
+# No "rw" in these options: AppArmor 3.0's parser (Debian 12, Ubuntu 22.04) turns
+# `options=(rw,bind)` into the bind AND any mount of any type without flags at the same
+# place (a fresh, unmasked procfs, say); the kernel ignores rw for binds, moves and
+# propagation changes anyway, so the bare keyword allows exactly the same calls.
 _LXCFS_RULES = (
-    "mount options=(rw,rprivate) -> /,",
+    "mount options=(rprivate) -> /,",
     "mount fstype=tmpfs -> /run/lxcfs/controllers/,",
     "mount fstype=cgroup -> /run/lxcfs/controllers/**,",
     "mount fstype=cgroup2 -> /run/lxcfs/controllers/**,",
-    "mount options=(rw,bind) / -> /run/lxcfs/root/,",
-    "mount options=(rw,bind) /run/ -> /run/lxcfs/root/run/,",
-    "mount options=(rw,move) /run/lxcfs/controllers/ -> /run/lxcfs/root/run/lxcfs/controllers/,",
+    "mount options=(bind) / -> /run/lxcfs/root/,",
+    "mount options=(bind) /run/ -> /run/lxcfs/root/run/,",
+    "mount options=(move) /run/lxcfs/controllers/ -> /run/lxcfs/root/run/lxcfs/controllers/,",
     "pivot_root /run/lxcfs/root/,",
 )
+# What lxcfs serves that a workload binds over its own /proc, in a child mount namespace
+# (manifests/examples/lxcfs-daemonset.yaml; tests/test_manifests.py keeps the two equal).
+LXCFS_PROC_FILES = ("cpuinfo", "diskstats", "loadavg", "meminfo", "stat", "swaps", "uptime")
 
 PRESETS: dict[str, Preset] = {
     preset.name: preset for preset in (
@@ -81,7 +91,7 @@ PRESETS: dict[str, Preset] = {
         Preset(
             name="lxcfs",
             summary="lxcfs 5: broader - its own mount namespace, tmpfs and cgroup mounts, "
-                    "bind and move mounts, pivot_root",
+                    "bind and move mounts, pivot_root, its files bound over /proc",
             capabilities=("SYS_ADMIN", "SYS_CHROOT"),
             syscalls=("mount", "umount2", "unshare", "setns", "pivot_root", "chroot"),
             fuse_fstypes=("fuse.lxcfs", "fuse"),
@@ -89,6 +99,7 @@ PRESETS: dict[str, Preset] = {
             namespaces=True,
             extra_apparmor=_LXCFS_RULES,
             extra_umounts=("/", "/run/lxcfs/controllers/"),
+            proc_binds=LXCFS_PROC_FILES,
         ),
     )
 }

@@ -70,6 +70,17 @@ for w in $(awk '{ for (i = 6; i <= NF; i++) { sub(/=.*/, "", $i); print $i } }' 
   sed "s/^/STRACE prog=$w /" "/tmp/strace-$w.log"
 done
 
+# lxcfs answers with the reader's cgroup limits, the kernel does not: a cgroup with one CPU and
+# 256 MiB tells lxcfs's /proc/cpuinfo and /proc/meminfo apart from the kernel's (confined.sh
+# binds them over /proc from inside it).
+cg=/sys/fs/cgroup/fdp-lxcfs
+if echo "+cpuset +memory" > /sys/fs/cgroup/cgroup.subtree_control && mkdir -p "$cg" \
+    && echo 0 > "$cg/cpuset.cpus" && echo 256M > "$cg/memory.max"; then
+  say "cgroup=$cg cpuset.cpus=$(cat "$cg/cpuset.cpus") memory.max=$(cat "$cg/memory.max")"
+else
+  say "cgroup=FAILED"
+fi
+
 # Inside a container /sys is read-only; make it so here, so that "remount /sys rw" means it.
 mount -o remount,ro /sys && say "sys=ro"
 
