@@ -22,7 +22,6 @@ import os
 import platform
 import shutil
 import signal
-import stat
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.config import API_VERSION
 from fuse_plugin.devices import slot_ids
-from fuse_plugin.standin import KubeletStandIn
+from fuse_plugin.standin import FakeNode, KubeletStandIn
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "latest.json"
@@ -103,28 +102,11 @@ def summary(values_s: list[float]) -> dict[str, Any]:
 
 # -- the fake node and the processes -----------------------------------------------------
 
-@dataclass
-class Node:
-    root: Path
-    plugin_dir: Path
-    device: Path
-
-    def remove_device(self) -> None:
-        self.device.unlink()
-
-    def restore_device(self) -> None:
-        os.mknod(self.device, 0o600 | stat.S_IFCHR, os.makedev(10, 229))
-
-
 @contextmanager
-def fake_node() -> Iterator[Node]:
+def fake_node() -> Iterator[FakeNode]:
     root = Path(tempfile.mkdtemp(prefix="fuse-bench-"))
     try:
-        node = Node(root, root / "device-plugins", root / "dev" / "fuse")
-        node.plugin_dir.mkdir()
-        node.device.parent.mkdir()
-        node.restore_device()
-        yield node
+        yield FakeNode.create(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -176,7 +158,7 @@ def plugin_command() -> list[str]:
     return [sys.executable, "-m", "fuse_plugin"]
 
 
-def start_plugin(node: Node, slots: int) -> Proc:
+def start_plugin(node: FakeNode, slots: int) -> Proc:
     log = node.root / f"plugin-{time.monotonic_ns()}.log"
     argv = [*plugin_command(), "serve", "--device-plugin-dir", str(node.plugin_dir),
             "--fuse-device", str(node.device), "--slots", str(slots)]
@@ -208,7 +190,7 @@ def write_floor_constants(directory: Path, device: Path, slots: int) -> None:
         (directory / f"{name}.bin").write_bytes(message.SerializeToString())
 
 
-def start_floor(node: Node, slots: int, watch: bool) -> Proc:
+def start_floor(node: FakeNode, slots: int, watch: bool) -> Proc:
     consts = node.root / f"floor-consts-{slots}"
     if not consts.exists():
         write_floor_constants(consts, node.device, slots)
@@ -224,23 +206,23 @@ def start_floor(node: Node, slots: int, watch: bool) -> Proc:
     return Proc(popen, log, sock, FLOOR_RESOURCE, started)
 
 
-Starter = Callable[[Node, int], Proc]
+Starter = Callable[[FakeNode, int], Proc]
 
 
-def plugin_starter(node: Node, slots: int) -> Proc:
+def plugin_starter(node: FakeNode, slots: int) -> Proc:
     return start_plugin(node, slots)
 
 
-def floor_starter(node: Node, slots: int) -> Proc:
+def floor_starter(node: FakeNode, slots: int) -> Proc:
     return start_floor(node, slots, watch=False)
 
 
-def floor_watch_starter(node: Node, slots: int) -> Proc:
+def floor_watch_starter(node: FakeNode, slots: int) -> Proc:
     return start_floor(node, slots, watch=True)
 
 
 @contextmanager
-def running(node: Node, start: Starter, slots: int,
+def running(node: FakeNode, start: Starter, slots: int,
             kubelet: KubeletStandIn | None = None) -> Iterator[tuple[Proc, KubeletStandIn]]:
     """A stand-in and a started process that has registered and listed its devices."""
     own = kubelet is None
@@ -351,7 +333,7 @@ class _Watcher:
             thread.join(5)
 
 
-def measure_health(node: Node, kubelet: KubeletStandIn, proc: Proc, runs: int,
+def measure_health(node: FakeNode, kubelet: KubeletStandIn, proc: Proc, runs: int,
                    streams: int) -> dict[str, Any]:
     watcher = _Watcher(proc, streams)
     down, up = [], []

@@ -13,8 +13,6 @@ container confined by the generated seccomp profile (see ``fuse_plugin.oci``).
 
 from __future__ import annotations
 
-import os
-import stat
 import tempfile
 import threading
 import time
@@ -29,7 +27,7 @@ import grpc
 from fuse_plugin import logs
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.config import DEFAULT_FUSE_DEVICE, Settings
-from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR, DeviceState, Health, probe
+from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR, DeviceState, Health, make_node, probe
 from fuse_plugin.lifecycle import Lifecycle
 from fuse_plugin.servicer import FusePlugin
 from fuse_plugin.standin import KubeletStandIn
@@ -60,7 +58,7 @@ def pick_device(workdir: Path, host_device: Path = DEFAULT_FUSE_DEVICE) -> DemoD
     fake = workdir / "dev" / "fuse"
     fake.parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.mknod(fake, 0o600 | stat.S_IFCHR, os.makedev(FUSE_MAJOR, FUSE_MINOR))
+        make_node(fake)
     except PermissionError:
         return DemoDevice(fake, f"{found.reason}, and only root may mknod a stand-in: "
                                 "every slot will be Unhealthy (that is the health check)")

@@ -5,48 +5,31 @@ from __future__ import annotations
 
 import os
 import signal
-import stat
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from fuse_plugin.standin import KubeletStandIn
+from fuse_plugin.devices import make_node
+from fuse_plugin.standin import FakeNode, KubeletStandIn
 
 RESOURCE = "github.com/fuse"
 
 
 def make_fuse_node(path: Path, major: int = 10, minor: int = 229) -> None:
-    os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(major, minor))
+    make_node(path, major, minor)
 
 
-@dataclass
-class Node:
-    root: Path
-    plugin_dir: Path
-    device: Path
-
-    def remove_device(self) -> None:
-        self.device.unlink()
-
-    def restore_device(self) -> None:
-        make_fuse_node(self.device)
+Node = FakeNode
 
 
 @pytest.fixture
 def node(tmp_path: Path) -> Node:
     if os.geteuid() != 0:
         pytest.skip("needs root: the fake node's FUSE device is made with mknod (CAP_MKNOD)")
-    plugin_dir = tmp_path / "device-plugins"
-    plugin_dir.mkdir()
-    dev = tmp_path / "dev"
-    dev.mkdir()
-    device = dev / "fuse"
-    make_fuse_node(device)
-    return Node(tmp_path, plugin_dir, device)
+    return FakeNode.create(tmp_path)
 
 
 @pytest.fixture

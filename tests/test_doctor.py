@@ -23,7 +23,7 @@ import pytest
 
 from fuse_plugin import cli, doctor, fuse_errors, logs
 from fuse_plugin.api import api_pb2_grpc
-from fuse_plugin.devices import DeviceState
+from fuse_plugin.devices import DeviceState, make_node
 from fuse_plugin.servicer import WORKERS, FusePlugin
 from fuse_plugin.standin import KubeletStandIn
 from tests.conftest import Node, PluginProcess
@@ -59,9 +59,7 @@ def put(root: Path, path: str, text: str) -> Path:
 def make_device(root: Path, major: int = 10, minor: int = 229, mode: int = 0o666) -> Path:
     device = root / "dev" / "fuse"
     device.parent.mkdir(parents=True, exist_ok=True)
-    os.mknod(device, mode | stat.S_IFCHR, os.makedev(major, minor))
-    os.chmod(device, mode)  # mknod honours the umask
-    return device
+    return make_node(device, major, minor, mode)
 
 
 def apparmor_listing(*profiles: str) -> str:

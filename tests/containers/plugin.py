@@ -4,13 +4,13 @@ as the kubelet does when a pod asking for github.com/fuse is admitted."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.standin import KubeletStandIn
+from tests.containers.servers import stop_process
 
 RESOURCE = "github.com/fuse"
 
@@ -36,12 +36,6 @@ def allocate(directory: Path, fuse_device: Path = Path("/dev/fuse"), slots: int 
         raise AssertionError(f"plugin allocate failed: {err}\nplugin log:\n"
                              f"{(directory / 'plugin.log').read_text()}") from err
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_process(proc)
         standin.close()
         log.close()

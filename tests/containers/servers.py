@@ -25,7 +25,8 @@ def free_port() -> int:
         return port
 
 
-def _stop(proc: subprocess.Popen[bytes] | None) -> None:
+def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM, then SIGKILL after 10 s: a process we started, by its recorded Popen."""
     if proc is None or proc.poll() is not None:
         return
     proc.send_signal(signal.SIGTERM)
@@ -85,7 +86,7 @@ class Moto:
                     log.close()
                     return self
                 time.sleep(0.05)
-            _stop(self.proc)
+            stop_process(self.proc)
         log.close()
         raise RuntimeError(f"moto_server did not start: {(self.workdir / 'moto.log').read_text()}")
 
@@ -105,7 +106,7 @@ class Moto:
         return path
 
     def stop(self) -> None:
-        _stop(self.proc)
+        stop_process(self.proc)
 
 
 class Sshd:
@@ -169,7 +170,7 @@ class Sshd:
                         f"[{LOOPBACK}]:{self.port} {host_pub[0]} {host_pub[1]}\n")
                     return self
                 time.sleep(0.05)
-            _stop(self.proc)
+            stop_process(self.proc)
         log.close()
         raise RuntimeError(f"sshd did not start: {(self.workdir / 'sshd.log').read_text()}")
 
@@ -185,6 +186,6 @@ class Sshd:
         return directory
 
     def stop(self) -> None:
-        _stop(self.proc)
+        stop_process(self.proc)
         with contextlib.suppress(FileNotFoundError):
             (self.workdir / "sshd.pid").unlink()
