@@ -15,14 +15,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from fuse_plugin import __version__, config, logs
+from fuse_plugin.errors import EXIT_FAILURE, EXIT_USAGE, Failure
 
 if TYPE_CHECKING:
     from fuse_plugin.lifecycle import Lifecycle
     from fuse_plugin.metrics import MetricsServer
 
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -145,37 +143,25 @@ def _start_metrics(lifecycle: Lifecycle, settings: config.Settings) -> MetricsSe
 def cmd_demo(args: argparse.Namespace) -> int:
     from fuse_plugin import demo
 
-    try:
-        return demo.run(sys.stdout, slots=args.slots, mount=args.mount)
-    except demo.DemoError as err:
-        return fail(str(err))
+    return demo.run(sys.stdout, slots=args.slots, mount=args.mount)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from fuse_plugin import doctor
 
-    try:
-        return doctor.command(args, sys.stdout)
-    except doctor.Failure as err:
-        return fail(str(err), err.code)
+    return doctor.command(args, sys.stdout)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from fuse_plugin.profiles import command
 
-    try:
-        return command.profile(args, sys.stdout)
-    except command.Failure as err:
-        return fail(str(err), err.code)
+    return command.profile(args, sys.stdout)
 
 
 def cmd_install_profiles(args: argparse.Namespace) -> int:
     from fuse_plugin.profiles import command
 
-    try:
-        return command.install_profiles(args)
-    except command.Failure as err:
-        return fail(str(err), err.code)
+    return command.install_profiles(args)
 
 
 def build_parser(all_flags: bool = True) -> argparse.ArgumentParser:
@@ -228,5 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # serve parses only its own flags: the node's long-running process need not import
     # the profile and doctor modules (~15 ms of start-up).
     args = build_parser(all_flags=argv[:1] != ["serve"]).parse_args(argv)
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+    except Failure as err:
+        return fail(str(err), err.code)
     return code

@@ -28,6 +28,7 @@ from fuse_plugin import logs
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.config import DEFAULT_FUSE_DEVICE, Settings
 from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR, DeviceState, Health, make_node, probe
+from fuse_plugin.errors import Failure
 from fuse_plugin.lifecycle import Lifecycle
 from fuse_plugin.servicer import FusePlugin
 from fuse_plugin.standin import KubeletStandIn
@@ -36,7 +37,7 @@ DEFAULT_SLOTS = 8
 WAIT = 15.0
 
 
-class DemoError(Exception):
+class DemoError(Failure):
     """A step of the demo failed; the message is the one line the user sees."""
 
 

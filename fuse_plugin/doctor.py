@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 from fuse_plugin import config
 from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR
+from fuse_plugin.errors import Failure
 
 # The presets of `fuse-device-plugin profile` (profiles.presets), their AppArmor names and
 # where install-profiles puts their seccomp files: kept equal by tests/test_doctor.py.
@@ -84,14 +85,6 @@ class Node:
     @property
     def kubelet_socket(self) -> Path:
         return self.device_plugin_dir / config.KUBELET_SOCKET
-
-
-class Failure(Exception):
-    """A one-line error for the user, with the exit code to leave with."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 # -- the checks ----------------------------------------------------------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TextIO
 
 from fuse_plugin import config, logs
+from fuse_plugin.errors import EXIT_USAGE, Failure
 from fuse_plugin.profiles import (
     PRESETS,
     ProfileError,
@@ -32,15 +33,6 @@ from fuse_plugin.profiles.install import (
 )
 
 EXIT_FINDINGS = 1
-EXIT_USAGE = 2
-
-
-class Failure(Exception):
-    """One line for the user, and the exit code."""
-
-    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def _arg(validator: Callable[[str], str]) -> Callable[[str], str]:
@@ -84,19 +76,20 @@ def profile(args: argparse.Namespace, out: TextIO) -> int:
         else:
             text = render_seccomp(args.preset)
     except ProfileError as err:
-        raise Failure(str(err)) from None
+        raise Failure(str(err), EXIT_USAGE) from None
     if args.output is None:
         out.write(text)
         return 0
     output: Path = args.output
     if not output.parent.is_dir():
-        raise Failure(f"--output {output}: directory {output.parent} does not exist")
+        raise Failure(f"--output {output}: directory {output.parent} does not exist",
+                      EXIT_USAGE)
     if output.is_dir():
-        raise Failure(f"--output {output} is a directory")
+        raise Failure(f"--output {output} is a directory", EXIT_USAGE)
     try:
         files.write_atomic(output, text.encode())
     except OSError as err:
-        raise Failure(f"cannot write --output {output}: {err.strerror or err}", 1) from None
+        raise Failure(f"cannot write --output {output}: {err.strerror or err}") from None
     return 0
 
 
@@ -106,8 +99,8 @@ def _lint(paths: list[Path], out: TextIO) -> int:
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as err:
-            raise Failure(f"cannot read {path}: {getattr(err, 'strerror', None) or err}"
-                          ) from None
+            raise Failure(f"cannot read {path}: {getattr(err, 'strerror', None) or err}",
+                          EXIT_USAGE) from None
         errors = lint.seccomp_text(text) if path.suffix == ".json" else lint.apparmor(text)
         for error in errors:
             out.write(f"{path}: {error}\n")
@@ -147,7 +140,7 @@ def install_profiles(args: argparse.Namespace, paths: NodePaths | None = None) -
     log = logs.setup(args.log_format, args.log_level)
     source: Path = args.source
     if not source.is_dir():
-        raise Failure(f"--source {source} is not a directory")
+        raise Failure(f"--source {source} is not a directory", EXIT_USAGE)
     paths = paths or NodePaths.under_sys(
         args.sys_dir, source=source, apparmor_dir=args.apparmor_dir,
         seccomp_dir=args.seccomp_dir, parser=args.apparmor_parser)
