@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -49,7 +49,8 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 @dataclass
 class Status:
-    """What the loop has done, read by probes and metrics; written only by the loop."""
+    """What the loop has done, read by probes and metrics. Written by the loop, except
+    ``registered``, which the watcher also clears when kubelet.sock disappears."""
 
     registered: bool = False
     serving: bool = False
@@ -57,8 +58,6 @@ class Status:
     registration_failures: int = 0
     kubelet_restarts: int = 0
     last_error: str = ""
-    registered_at: float = 0.0
-    changed: threading.Event = field(default_factory=threading.Event)
 
 
 class _Events(FileSystemEventHandler):
@@ -118,7 +117,7 @@ class Lifecycle:
         """The kubelet stopped: unready until a new kubelet.sock accepts us."""
         if self.status.registered:
             logs.event(self._log, "kubelet.gone", socket=str(self.settings.kubelet_socket))
-        self._set_registered(False)
+        self.status.registered = False
 
     def socket_deleted(self) -> None:
         self._need_serve = True
@@ -144,9 +143,12 @@ class Lifecycle:
         try:
             while not self._stop.is_set():
                 self._wake.clear()
-                if self._need_serve and not self._serving_our_socket():
-                    self._serve()
-                self._need_serve = False
+                # Flags are cleared before acting, so an event that lands meanwhile
+                # sets them again and is handled on the next turn, not lost.
+                if self._need_serve:
+                    self._need_serve = False
+                    if not self._serving_our_socket():
+                        self._serve()
                 if self._need_register and self._registered_with_this_kubelet():
                     # A late event for the kubelet.sock we already registered with.
                     self._need_register = False
@@ -216,7 +218,7 @@ class Lifecycle:
         self.status.serving = True
         # A new socket means the kubelet no longer knows us: register again.
         self._need_register = True
-        self._set_registered(False)
+        self.status.registered = False
         logs.event(self._log, "serving", socket=str(path),
                    duration_ms=round((time.perf_counter() - started) * 1000, 2))
 
@@ -245,7 +247,7 @@ class Lifecycle:
                        code=err.code().name, error=err.details())
             return False
         self.status.registrations += 1
-        self._set_registered(True)
+        self.status.registered = True
         logs.event(self._log, "registered", endpoint=self.settings.socket_name,
                    slots=len(self.state.ids),
                    duration_ms=round((time.perf_counter() - started) * 1000, 2))
@@ -261,13 +263,7 @@ class Lifecycle:
         if kubelet is not None and kubelet != self._kubelet_seen:
             self._need_register = True
         if kubelet is None and self.status.registered:
-            self._set_registered(False)
-
-    def _set_registered(self, value: bool) -> None:
-        if self.status.registered != value:
-            self.status.registered = value
-            self.status.registered_at = time.time() if value else 0.0
-            self.status.changed.set()
+            self.status.registered = False
 
     def _shutdown(self) -> None:
         self._observer.stop()
@@ -280,5 +276,5 @@ class Lifecycle:
             self.settings.socket_path.unlink(missing_ok=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.status.serving = False
-        self._set_registered(False)
+        self.status.registered = False
         logs.event(self._log, "stopped", socket=str(self.settings.socket_path))
