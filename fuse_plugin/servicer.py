@@ -40,6 +40,8 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
         self.on_allocate = on_allocate
         self.allocated_containers = 0
         self.refusals = 0
+        # Allocate runs on many worker threads; `+=` on an attribute is not atomic.
+        self._counts = threading.Lock()
         self._streams = 0
         self._streams_lock = threading.Lock()
         # Both possible device lists are built once: a 10,000-slot list costs ~20 ms
@@ -135,7 +137,8 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
         response = api.AllocateResponse(
             container_responses=[self._container] * len(containers))
         elapsed = time.perf_counter() - started
-        self.allocated_containers += len(containers)
+        with self._counts:
+            self.allocated_containers += len(containers)
         if self.on_allocate:
             self.on_allocate(len(containers), elapsed)
         logs.event(self._log, "allocate", containers=len(containers), ids=ids,
@@ -148,7 +151,8 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
         return api.PreStartContainerResponse()
 
     def _refuse(self, context: grpc.ServicerContext, detail: str, ids: list[str]) -> None:
-        self.refusals += 1
+        with self._counts:
+            self.refusals += 1
         logs.event(self._log, "allocate.refused", logging.WARNING, ids=ids, reason=detail)
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail)
 
