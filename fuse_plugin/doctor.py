@@ -27,12 +27,12 @@ from typing import Any, TextIO
 from fuse_plugin import config
 from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR
 from fuse_plugin.errors import Failure
+from fuse_plugin.profiles import presets
 
-# The presets of `fuse-device-plugin profile` (profiles.presets), their AppArmor names and
-# where install-profiles puts their seccomp files: kept equal by tests/test_doctor.py.
-PRESETS = ("s3fs", "sshfs", "generic", "lxcfs")
-APPARMOR_PREFIX = "fuse-device-plugin-"
-DEFAULT_SECCOMP_DIR = Path("/var/lib/kubelet/seccomp/fuse-device-plugin")
+# The presets, names and paths are the generator's own, so the doctor checks for exactly
+# what `profile` generates and `install-profiles` installs.
+PRESETS = tuple(presets.PRESETS)
+DEFAULT_SECCOMP_DIR = presets.DEFAULT_SECCOMP_DIR
 # The kubelet's dial-back and our own answer take milliseconds; two seconds only says
 # "hung" rather than "slow".
 PLUGIN_TIMEOUT = 2.0
@@ -249,7 +249,7 @@ def _aggregate(name: str, results: list[tuple[str, Verdict, str]], ok_detail: st
     for preset, verdict, note in results:
         if verdict is not Verdict.OK:
             by_note.setdefault(note, []).append(preset)
-    parts = [f"{note}: {', '.join(presets)}" for note, presets in by_note.items()]
+    parts = [f"{note}: {', '.join(names)}" for note, names in by_note.items()]
     if good:
         parts.append(f"ok: {', '.join(good)}")
     return Check(name, worst, "; ".join(parts), fix)
@@ -290,7 +290,7 @@ def check_apparmor(node: Node) -> list[Check]:
     missing = Verdict.FAIL if node.strict_presets else Verdict.WARN
     results: list[tuple[str, Verdict, str]] = []
     for preset in node.presets:
-        mode = loaded.get(APPARMOR_PREFIX + preset)
+        mode = loaded.get(presets.apparmor_name(preset))
         if mode == "enforce":
             results.append((preset, Verdict.OK, ""))
         elif mode is None:
@@ -334,7 +334,7 @@ def check_seccomp(node: Node) -> Check:
     missing = Verdict.FAIL if node.strict_presets else Verdict.WARN
     results: list[tuple[str, Verdict, str]] = []
     for preset in node.presets:
-        verdict, note = _seccomp_state(node.at(node.seccomp_dir / f"{preset}.json"))
+        verdict, note = _seccomp_state(node.at(node.seccomp_dir / presets.seccomp_file(preset)))
         results.append((preset, missing if verdict is None else verdict, note))
     return _aggregate(
         "seccomp profiles", results, f"in {node.seccomp_dir}",

@@ -596,15 +596,6 @@ def test_every_example_is_explained_by_its_own_entry(entry: fuse_errors.KnownErr
     assert entry.causes_for(entry.example) or not entry.final
 
 
-def test_presets_and_names_match_the_profile_generator() -> None:
-    presets = pytest.importorskip("fuse_plugin.profiles.presets")
-    install = pytest.importorskip("fuse_plugin.profiles.install")
-    assert tuple(presets.PRESETS) == doctor.PRESETS
-    assert all(presets.apparmor_name(p) == doctor.APPARMOR_PREFIX + p for p in doctor.PRESETS)
-    assert all(presets.seccomp_file(p) == f"{p}.json" for p in doctor.PRESETS)
-    assert doctor.DEFAULT_SECCOMP_DIR == install.DEFAULT_SECCOMP_DIR
-
-
 def test_markdown_table_has_a_row_per_cause() -> None:
     table = fuse_errors.markdown().splitlines()
     assert table[0] == "| Message | errno | Cause | How to tell | Fix |"

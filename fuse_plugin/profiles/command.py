@@ -27,10 +27,10 @@ from fuse_plugin.profiles import (
 from fuse_plugin.profiles.install import (
     DEFAULT_APPARMOR_DIR,
     DEFAULT_PARSER,
-    DEFAULT_SECCOMP_DIR,
     Installer,
     NodePaths,
 )
+from fuse_plugin.profiles.presets import DEFAULT_SECCOMP_DIR
 
 EXIT_FINDINGS = 1
 

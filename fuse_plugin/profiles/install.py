@@ -32,9 +32,9 @@ from watchdog.observers import Observer
 
 from fuse_plugin import logs
 from fuse_plugin.profiles import apparmor, files, lint, validate
+from fuse_plugin.profiles.presets import DEFAULT_SECCOMP_DIR
 
 DEFAULT_APPARMOR_DIR = Path("/etc/apparmor.d")
-DEFAULT_SECCOMP_DIR = Path("/var/lib/kubelet/seccomp/fuse-device-plugin")
 DEFAULT_PARSER = "apparmor_parser"
 APPARMOR_ENABLED = Path("/sys/module/apparmor/parameters/enabled")
 APPARMOR_SECURITYFS = Path("/sys/kernel/security/apparmor")

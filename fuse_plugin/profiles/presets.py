@@ -8,6 +8,7 @@ same list the docs, the tests and the closing notes quote.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 # Mount flags every FUSE rule requires: set-uid files and device nodes on a filesystem
 # served by the container itself would be a way out. fusermount3 adds both always.
@@ -112,6 +113,11 @@ def get(name: str) -> Preset:
         from fuse_plugin.profiles.validate import ProfileError
         raise ProfileError(
             f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}") from None
+
+
+# Where install-profiles puts the seccomp files: pods name them relative to the kubelet's
+# seccomp root, as `fuse-device-plugin/<preset>.json`.
+DEFAULT_SECCOMP_DIR = Path("/var/lib/kubelet/seccomp/fuse-device-plugin")
 
 
 def apparmor_name(preset: str) -> str:
