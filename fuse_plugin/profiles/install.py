@@ -223,13 +223,7 @@ class Installer:
 
     def _install_seccomp(self, name: str, data: bytes) -> bool:
         _check_name(name.removesuffix(".json"))
-        try:
-            text = data.decode()
-        except UnicodeDecodeError:
-            raise Rejected("not UTF-8 text") from None
-        errors = lint.seccomp_text(text)
-        if errors:
-            raise Rejected(_summary(errors))
+        _linted(data, lint.seccomp_text)
         dest = self.paths.seccomp_dir / name
         if files.read_or_none(dest) == data:
             return False
@@ -244,13 +238,7 @@ class Installer:
     def _install_apparmor(self, name: str, data: bytes, parser: str, has_apparmor: bool
                           ) -> bool:
         _check_name(name)
-        try:
-            text = data.decode()
-        except UnicodeDecodeError:
-            raise Rejected("not UTF-8 text") from None
-        errors = lint.apparmor(text)
-        if errors:
-            raise Rejected(_summary(errors))
+        text = _linted(data, lint.apparmor)
         declared = apparmor.profile_name_of(text)
         if declared != name:
             raise Rejected(f"the file declares profile {declared!r}; name the file after "
@@ -358,6 +346,18 @@ def _check_name(name: str) -> None:
         validate.profile_name(name)
     except validate.ProfileError as err:
         raise Rejected(str(err)) from None
+
+
+def _linted(data: bytes, check: Callable[[str], list[str]]) -> str:
+    """The profile as text, or Rejected: a profile our lint faults is never installed."""
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        raise Rejected("not UTF-8 text") from None
+    errors = check(text)
+    if errors:
+        raise Rejected(_summary(errors))
+    return text
 
 
 def _summary(errors: list[str]) -> str:
