@@ -12,7 +12,7 @@ import ipaddress
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from fuse_plugin.logs import FORMATS, LEVELS
@@ -192,15 +192,5 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def from_args(args: argparse.Namespace) -> Settings:
-    return Settings(
-        device_plugin_dir=args.device_plugin_dir,
-        resource_name=args.resource_name,
-        fuse_device=args.fuse_device,
-        slots=args.slots,
-        log_format=args.log_format,
-        log_level=args.log_level,
-        metrics_port=args.metrics_port,
-        metrics_address=args.metrics_address,
-        cdi=args.cdi,
-        cdi_dir=args.cdi_dir,
-    )
+    """Settings from parsed serve flags: each field is named after its flag."""
+    return Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)})
