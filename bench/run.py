@@ -40,7 +40,8 @@ from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.config import API_VERSION
 from fuse_plugin.devices import slot_ids
-from fuse_plugin.standin import FakeNode, KubeletStandIn
+from fuse_plugin.sim.kubelet import KubeletStandIn
+from fuse_plugin.sim.node import FakeNode
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "latest.json"

@@ -141,7 +141,7 @@ def _start_metrics(lifecycle: Lifecycle, settings: config.Settings) -> MetricsSe
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from fuse_plugin import demo
+    from fuse_plugin.sim import demo
 
     return demo.run(sys.stdout, slots=args.slots, mount=args.mount)
 

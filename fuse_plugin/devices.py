@@ -49,14 +49,6 @@ def probe(path: Path) -> Probe:
     return Probe(Health.HEALTHY, f"{path} is char {FUSE_MAJOR}:{FUSE_MINOR}")
 
 
-def make_node(path: Path, major: int = FUSE_MAJOR, minor: int = FUSE_MINOR,
-              mode: int = 0o600) -> Path:
-    """Create a character device node (root only): the demo's and the tests' stand-in
-    for /dev/fuse. The plugin only stat()s the node, so it behaves like the real one."""
-    os.mknod(path, mode | stat.S_IFCHR, os.makedev(major, minor))
-    os.chmod(path, mode)  # mknod applies the umask
-    return path
-
 
 def slot_ids(count: int) -> tuple[str, ...]:
     """Short, stable IDs: the kubelet checkpoints them, so a restart must yield the same."""

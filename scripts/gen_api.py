@@ -4,7 +4,7 @@
 Usage: python scripts/gen_api.py [--out DIR]
 
 The stubs are generated with the pinned grpcio-tools from the dev extras so that the
-committed files are byte-for-byte reproducible; tests/test_api_stubs.py regenerates into
+committed files are byte-for-byte reproducible; tests/unit/test_api_stubs.py regenerates into
 a temporary directory and fails when the committed copy is stale.
 """
 

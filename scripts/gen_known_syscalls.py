@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-import pyseccomp  # type: ignore[import-untyped]
+import pyseccomp
 
 # Syscall numbers per architecture start at different bases (MIPS o32 4000, n64 5000,
 # n32 6000; x32 ORs in bit 30; ARM's private calls live at 0x0f0000).

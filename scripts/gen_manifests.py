@@ -3,7 +3,7 @@
 
 The profile installer DaemonSet ships whatever this ConfigMap holds, so it must be what
 ``fuse-device-plugin profile ...`` generates today, never a hand-edited copy. Run after
-changing a preset; tests/test_manifests.py fails while the committed file is stale.
+changing a preset; tests/unit/test_manifests.py fails while the committed file is stale.
 
     .venv/bin/python scripts/gen_manifests.py           # rewrite the file
     .venv/bin/python scripts/gen_manifests.py --check   # exit 1 if it is stale

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fuse_plugin.devices import make_node
-from fuse_plugin.standin import FakeNode, KubeletStandIn
+from fuse_plugin.sim.kubelet import KubeletStandIn
+from fuse_plugin.sim.node import FakeNode, make_node
 
 RESOURCE = "github.com/fuse"
 

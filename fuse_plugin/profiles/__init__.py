@@ -41,7 +41,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fuse_plugin.profiles import apparmor, files, seccomp
+from fuse_plugin import files
+from fuse_plugin.profiles import apparmor, seccomp
 from fuse_plugin.profiles.presets import PRESETS, Preset, apparmor_name, seccomp_file
 from fuse_plugin.profiles.validate import ProfileError
 

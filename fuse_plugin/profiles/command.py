@@ -13,12 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from fuse_plugin import config, logs
+from fuse_plugin import config, files, logs
 from fuse_plugin.errors import EXIT_USAGE, Failure
 from fuse_plugin.profiles import (
     PRESETS,
     ProfileError,
-    files,
     lint,
     render_apparmor,
     render_seccomp,

@@ -30,8 +30,8 @@ from pathlib import Path
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from fuse_plugin import logs
-from fuse_plugin.profiles import apparmor, files, lint, validate
+from fuse_plugin import files, logs
+from fuse_plugin.profiles import apparmor, lint, validate
 from fuse_plugin.profiles.presets import DEFAULT_SECCOMP_DIR
 
 DEFAULT_APPARMOR_DIR = Path("/etc/apparmor.d")

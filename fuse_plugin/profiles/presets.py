@@ -63,7 +63,7 @@ _LXCFS_RULES = (
     "pivot_root /run/lxcfs/root/,",
 )
 # What lxcfs serves that a workload binds over its own /proc, in a child mount namespace
-# (manifests/examples/lxcfs-daemonset.yaml; tests/test_manifests.py keeps the two equal).
+# (manifests/examples/lxcfs-daemonset.yaml; tests/unit/test_manifests.py keeps the two equal).
 LXCFS_PROC_FILES = ("cpuinfo", "diskstats", "loadavg", "meminfo", "stat", "swaps", "uptime")
 
 PRESETS: dict[str, Preset] = {

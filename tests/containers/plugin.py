@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.standin import KubeletStandIn
+from fuse_plugin.sim.kubelet import KubeletStandIn
 from tests.containers.servers import stop_process
 
 RESOURCE = "github.com/fuse"

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
-from fuse_plugin import oci
 from fuse_plugin.api import api_pb2 as api
+from fuse_plugin.sim import oci
 from tests.containers import profiles, workloads
 from tests.containers.workloads import Workload
 

@@ -7,8 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from fuse_plugin import oci
 from fuse_plugin.api import api_pb2 as api
+from fuse_plugin.sim import oci
 
 
 def _response() -> api.ContainerAllocateResponse:

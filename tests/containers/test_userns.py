@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fuse_plugin import oci
 from fuse_plugin.api import api_pb2 as api
+from fuse_plugin.sim import oci
 from tests.containers import workloads
 from tests.containers.servers import Moto, Sshd
 from tests.containers.workloads import BUCKET

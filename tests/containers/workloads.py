@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.oci import Bind, ContainerRequest, Result, RuncContainer
+from fuse_plugin.sim.oci import Bind, ContainerRequest, Result, RuncContainer
 from tests.containers import profiles
 from tests.containers.servers import LOOPBACK, Moto, Sshd
 

@@ -6,7 +6,7 @@ node from the host (root ``/``), from a pod that mounts the node's ``/`` at ``/h
 and, in the tests, a fake node tree in a temp dir. Any ``fail`` makes the exit code 1;
 a ``warn`` is something that breaks only some workloads (e.g. a 0600 device node).
 
-``--explain MESSAGE`` answers from ``fuse_errors.ERRORS`` instead of looking at the node.
+``--explain MESSAGE`` answers from ``explain.ERRORS`` instead of looking at the node.
 """
 
 from __future__ import annotations
@@ -403,9 +403,9 @@ UNEXPLAINED = ("no known FUSE error matches this message; run `fuse-device-plugi
 
 def explain(message: str, output: str, out: TextIO) -> int:
     """Print what ``message`` means; 0 when the table knows it, else 1."""
-    from fuse_plugin import fuse_errors
+    from fuse_plugin.doctor import explain
 
-    entries = fuse_errors.explain(message)
+    entries = explain.explain(message)
     if output == "json":
         matches = [{"key": e.key, "errno": e.errno, "meaning": e.meaning,
                     "causes": [{"cause": c.cause, "how_to_tell": c.tell, "fix": c.fix}

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.standin import KubeletStandIn, socket_files
+from fuse_plugin.sim.kubelet import KubeletStandIn, socket_files
 from tests.conftest import RESOURCE, Node, StartPlugin
 from tests.waiting import wait_until
 

@@ -1,10 +1,10 @@
 #!/bin/bash
 # Idempotent node setup for the real-kubelet e2e stage (issue 6).
 #
-#   tests/e2e/kubelet/setup.sh            # everything (packages, kubelet, images)
-#   tests/e2e/kubelet/setup.sh packages   # only Debian packages (+ deb-src line)
-#   tests/e2e/kubelet/setup.sh kubelet    # only the kubelet build (cached)
-#   tests/e2e/kubelet/setup.sh images     # only pause + workload OCI images (cached)
+#   tests/kubelet/setup.sh            # everything (packages, kubelet, images)
+#   tests/kubelet/setup.sh packages   # only Debian packages (+ deb-src line)
+#   tests/kubelet/setup.sh kubelet    # only the kubelet build (cached)
+#   tests/kubelet/setup.sh images     # only pause + workload OCI images (cached)
 #
 # The kubelet is built from Debian bookworm's `kubernetes` source package
 # (1.20.2) in GOPATH mode with golang-1.19-go, CGO off, and cached outside the

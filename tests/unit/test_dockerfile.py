@@ -18,7 +18,7 @@ import pytest
 
 from fuse_plugin import __version__, cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

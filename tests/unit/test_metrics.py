@@ -11,7 +11,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from fuse_plugin.standin import KubeletStandIn
+from fuse_plugin.sim.kubelet import KubeletStandIn
 from tests.conftest import RESOURCE, Node, PluginProcess, StartPlugin
 
 DEADLINE = 10.0

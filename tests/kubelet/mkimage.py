@@ -189,7 +189,7 @@ def main() -> None:
             "WorkingDir": "/",
         },
         "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
-        "history": [{"created_by": "tests/e2e/kubelet/mkimage.py"}],
+        "history": [{"created_by": "tests/kubelet/mkimage.py"}],
     }
     config_raw = json.dumps(config, sort_keys=True).encode()
     tmp = args.out + ".tmp"

@@ -16,12 +16,13 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from fuse_plugin import __version__, cli, oci, profiles
+from fuse_plugin import __version__, cli, profiles
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.config import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_RESOURCE_NAME
 from fuse_plugin.devices import Health, probe
+from fuse_plugin.sim import oci
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
 EXAMPLES = MANIFESTS / "examples"
 VERSIONS = ("1.30", kubernetes_validate.latest_version())

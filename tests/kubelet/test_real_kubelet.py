@@ -8,8 +8,8 @@ under /var/log/pods.  Standalone, the kubelet has no API server to publish its
 node object to; it logs ``Update capacity for github.com/fuse to N`` whenever it
 rebuilds the node for admission, and admits or refuses pods against it.
 
-Setup (packages, the cached kubelet build, images) is tests/e2e/kubelet/setup.sh;
-the processes are started and torn down by recorded PID in tests/e2e/kubelet/node.py.
+Setup (packages, the cached kubelet build, images) is tests/kubelet/setup.sh;
+the processes are started and torn down by recorded PID in tests/kubelet/node.py.
 Logs stay in /var/log/fuse-device-plugin-e2e/ (evidence.txt: the lines that prove
 each scenario).
 """
@@ -17,7 +17,6 @@ each scenario).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import re
@@ -35,8 +34,10 @@ from typing import Any
 
 import pytest
 
+from tests.kubelet import node as nodemod
+
 HERE = Path(__file__).resolve().parent
-KDIR = HERE / "kubelet"
+
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -46,17 +47,6 @@ SECCOMP_SUBDIR = "fuse-device-plugin"
 SETUP_TIMEOUT = 1500  # a cold kubelet build is ~5 min on 2 cores; apt may wait for a lock
 
 
-def _load_node_module() -> Any:
-    spec = importlib.util.spec_from_file_location("fdp_e2e_node", KDIR / "node.py")
-    assert spec is not None
-    assert spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["fdp_e2e_node"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-nodemod = _load_node_module()
 KUBELET_LOG = nodemod.LOGDIR / "kubelet.log"
 EVIDENCE = nodemod.LOGDIR / "evidence.txt"
 
@@ -222,7 +212,7 @@ def kube_node() -> Iterator[Any]:
     setup_log = nodemod.LOGDIR / "setup.log"
     with open(setup_log, "w") as out:
         r = subprocess.run(
-            [str(KDIR / "setup.sh"), "all"],
+            [str(HERE / "setup.sh"), "all"],
             stdout=out,
             stderr=subprocess.STDOUT,
             timeout=SETUP_TIMEOUT,

@@ -27,11 +27,12 @@ import grpc
 from fuse_plugin import logs
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.config import DEFAULT_FUSE_DEVICE, Settings
-from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR, DeviceState, Health, make_node, probe
+from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR, DeviceState, Health, probe
 from fuse_plugin.errors import Failure
 from fuse_plugin.lifecycle import Lifecycle
 from fuse_plugin.servicer import FusePlugin
-from fuse_plugin.standin import KubeletStandIn
+from fuse_plugin.sim.kubelet import KubeletStandIn
+from fuse_plugin.sim.node import make_node
 
 DEFAULT_SLOTS = 8
 WAIT = 15.0
@@ -217,7 +218,7 @@ def _id_range(ids: list[str]) -> str:
 
 
 def _mount_flow(say: Narrator, allocation: api.AllocateResponse | None) -> None:
-    from fuse_plugin import oci
+    from fuse_plugin.sim import oci
 
     say.step("--mount: a real unprivileged container mounts a FUSE filesystem")
     blockers = oci.mount_blockers()

@@ -25,8 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from fuse_plugin import logs, profiles
-from fuse_plugin.profiles import files
+from fuse_plugin import files, logs, profiles
 from fuse_plugin.profiles.install import Installer, NodePaths, Report, loaded_profiles
 
 REAL_PARSER = shutil.which("apparmor_parser") or (

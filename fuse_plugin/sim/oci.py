@@ -5,7 +5,7 @@ plays the kubelet and containerd's CRI plugin: ``build_spec`` turns one containe
 request, with the plugin's real ``ContainerAllocateResponse``, into the ``config.json``
 containerd would hand runc; ``Runc`` runs it. It is the one harness behind
 ``fuse-device-plugin demo --mount`` (``run_mount_demo``) and the real-container tests
-(tests/containers, tests/test_manifests.py). Nothing below is privileged unless a caller
+(tests/containers, tests/unit/test_manifests.py). Nothing below is privileged unless a caller
 asks for the privileged control.
 
 The mapping (what containerd does with the CRI CreateContainer request):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Exit codes of `python -m bench`: 0 all targets met, 3 some missed (both are a full run).
 COMPLETED = (0, 3)
 FIGURES = (

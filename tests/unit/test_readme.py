@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fuse_plugin import config, fuse_errors
+from fuse_plugin import config
+from fuse_plugin.doctor import explain as fuse_errors
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
 
@@ -29,5 +30,5 @@ def test_every_serve_flag_and_its_environment_twin_is_documented() -> None:
 
 def test_error_table_is_the_one_doctor_explains_from() -> None:
     assert fuse_errors.markdown() in README, (
-        "README's error table differs from fuse_plugin/fuse_errors.py: paste "
-        "`python -c 'from fuse_plugin import fuse_errors; print(fuse_errors.markdown())'`")
+        "README's error table differs from fuse_plugin/doctor/explain.py: paste "
+        "`python -c 'from fuse_plugin.doctor import explain; print(explain.markdown())'`")

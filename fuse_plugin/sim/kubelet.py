@@ -28,7 +28,6 @@ import grpc
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.config import API_VERSION, KUBELET_SOCKET, resource_name
-from fuse_plugin.devices import make_node
 
 DIAL_TIMEOUT = 5.0
 STOP_GRACE = 2.0
@@ -237,33 +236,6 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
             api.ContainerAllocateRequest(devices_ids=list(ids)) for ids in containers])
         response: api.AllocateResponse = self.stub(resource).Allocate(request, timeout=timeout)
         return response
-
-
-@dataclass
-class FakeNode:
-    """A node's device-plugin directory and a real char 10:229 node, in ``root``.
-
-    Used by the tests and the benchmarks: the plugin under test runs against it exactly
-    as against /var/lib/kubelet/device-plugins and /dev/fuse. Needs root (mknod).
-    """
-
-    root: Path
-    plugin_dir: Path
-    device: Path
-
-    @classmethod
-    def create(cls, root: Path) -> FakeNode:
-        node = cls(root, root / "device-plugins", root / "dev" / "fuse")
-        node.plugin_dir.mkdir(parents=True, exist_ok=True)
-        node.device.parent.mkdir(parents=True, exist_ok=True)
-        node.restore_device()
-        return node
-
-    def remove_device(self) -> None:
-        self.device.unlink()
-
-    def restore_device(self) -> None:
-        make_node(self.device)
 
 
 def socket_files(directory: Path) -> list[str]:

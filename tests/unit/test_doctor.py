@@ -21,11 +21,14 @@ from typing import Any
 import grpc
 import pytest
 
-from fuse_plugin import cli, doctor, fuse_errors, logs
+from fuse_plugin import cli, logs
 from fuse_plugin.api import api_pb2_grpc
-from fuse_plugin.devices import DeviceState, make_node
+from fuse_plugin.devices import DeviceState
+from fuse_plugin.doctor import checks as doctor
+from fuse_plugin.doctor import explain as fuse_errors
 from fuse_plugin.servicer import WORKERS, FusePlugin
-from fuse_plugin.standin import KubeletStandIn
+from fuse_plugin.sim.kubelet import KubeletStandIn
+from fuse_plugin.sim.node import make_node
 from tests.conftest import Node, PluginProcess
 
 PLUGIN_DIR = "var/lib/kubelet/device-plugins"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fuse_plugin.api import api_pb2
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_generated_stubs_are_not_stale(tmp_path: Path) -> None:

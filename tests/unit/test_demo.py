@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fuse_plugin import demo, oci
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.devices import Health, probe
+from fuse_plugin.sim import demo, oci
 from tests.conftest import make_fuse_node
 
 
