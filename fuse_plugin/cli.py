@@ -12,15 +12,10 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 from fuse_plugin import __version__, config, logs
 from fuse_plugin.errors import EXIT_FAILURE, EXIT_USAGE, Failure
-
-if TYPE_CHECKING:
-    from fuse_plugin.lifecycle import Lifecycle
-    from fuse_plugin.metrics import MetricsServer
-
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,9 +68,7 @@ def _lean_process() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     _lean_process()
-    from fuse_plugin.devices import DeviceState
-    from fuse_plugin.lifecycle import Lifecycle
-    from fuse_plugin.servicer import FusePlugin
+    from fuse_plugin import plugin
 
     settings = config.from_args(args)
     log = logs.setup(settings.log_format, settings.log_level,
@@ -88,56 +81,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         return fail(f"cannot create --device-plugin-dir {directory}: {err.strerror}")
-    cdi_device = None
-    if settings.cdi:
-        from fuse_plugin import cdi
-        try:
-            cdi_device = cdi.cdi_device_name(settings.resource_name)
-        except ValueError as err:
-            return fail(f"--cdi: {err}", EXIT_USAGE)
-    state = DeviceState(settings.fuse_device, settings.slots)
-    lifecycle = Lifecycle(settings, state, FusePlugin(state, log, cdi_device=cdi_device), log)
+    with plugin.assembled(settings, log) as running:
+        lifecycle = running.lifecycle
 
-    def on_signal(signum: int, _frame: object) -> None:
-        logs.event(log, "signal", signal=signal.Signals(signum).name)
-        lifecycle.stop()
+        def on_signal(signum: int, _frame: object) -> None:
+            logs.event(log, "signal", signal=signal.Signals(signum).name)
+            lifecycle.stop()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    metrics = None
-    spec = None
-    try:
-        metrics = _start_metrics(lifecycle, settings)
-        if cdi_device:
-            spec = cdi.write_spec(settings.cdi_dir, settings.fuse_device,
-                                  settings.resource_name)
-            logs.event(log, "cdi.spec_written", path=str(spec), device=cdi_device)
+        # SIGHUP too: a closed terminal or a supervisor's reload must not kill us
+        # without removing our socket and CDI spec.
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, on_signal)
         return lifecycle.run()
-    except OSError as err:
-        where = f" ({err.filename})" if getattr(err, "filename", None) else ""
-        return fail(f"{err.strerror or err}{where}")
-    finally:
-        if spec is not None:
-            cdi.remove_spec(spec)
-            logs.event(log, "cdi.spec_removed", path=str(spec))
-        if metrics is not None:
-            metrics.stop()
-
-
-def _start_metrics(lifecycle: Lifecycle, settings: config.Settings) -> MetricsServer | None:
-    if not settings.metrics_port:
-        return None
-    from fuse_plugin.metrics import MetricsServer
-
-    try:
-        server = MetricsServer(lifecycle, settings.metrics_address, settings.metrics_port)
-    except OSError as err:
-        raise OSError(err.errno, f"cannot serve metrics on {settings.metrics_address}:"
-                      f"{settings.metrics_port}: {err.strerror}") from None
-    server.start()
-    logs.event(logs.get(), "metrics.serving", address=settings.metrics_address,
-               port=server.port)
-    return server
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

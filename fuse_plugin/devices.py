@@ -55,17 +55,26 @@ def slot_ids(count: int) -> tuple[str, ...]:
     return tuple(f"fuse-{index}" for index in range(count))
 
 
-class DeviceState:
-    """Health of the device node plus a version that moves on every change."""
+Prober = Callable[[Path], Probe]
 
-    def __init__(self, device: Path, slots: int) -> None:
+
+class DeviceState:
+    """Health of the device node plus a version that moves on every change.
+
+    ``prober`` is injected so that the servicer's and the lifecycle's logic can be tested
+    without a real device node (and without root to make one).
+    """
+
+    def __init__(self, device: Path, slots: int, prober: Prober = probe) -> None:
         self.device = device
         self.ids = slot_ids(slots)
-        self._known = frozenset(self.ids)
+        # Slot order (fuse-0, fuse-1, ...) for GetPreferredAllocation; also the known set.
+        self.order = {device_id: index for index, device_id in enumerate(self.ids)}
+        self._prober = prober
         self._cond = threading.Condition()
         self._version = 0
         self._closed = False
-        self._probe = probe(device)
+        self._probe = prober(device)
 
     @property
     def health(self) -> Health:
@@ -77,7 +86,7 @@ class DeviceState:
 
     def refresh(self) -> Probe | None:
         """Re-check the node; return the new probe if health changed, else None."""
-        result = probe(self.device)
+        result = self._prober(self.device)
         with self._cond:
             if result.health == self._probe.health:
                 self._probe = result
@@ -113,17 +122,13 @@ class DeviceState:
             self._closed = True
             self._cond.notify_all()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def problems(self, ids: Iterable[str]) -> dict[str, list[str]]:
         """Group unusable IDs by why: unknown, duplicate or unhealthy. Empty when all fine."""
         found: dict[str, list[str]] = {}
         seen: set[str] = set()
         healthy = self._probe.health is Health.HEALTHY
         for device_id in ids:
-            if device_id not in self._known:
+            if device_id not in self.order:
                 kind = "unknown"
             elif device_id in seen:
                 kind = "duplicate"

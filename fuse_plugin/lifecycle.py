@@ -1,18 +1,24 @@
 """Our socket, the gRPC server, Register, watching the kubelet, and shutdown.
 
 Follow a kubelet restart here: the kubelet deletes every socket in its directory and
-then creates a new ``kubelet.sock``. watchdog (inotify) reports both; the loop below
-re-creates our socket, serves on it, and calls Register at once. A slow periodic check
-catches anything a lost event would miss. The device model and the RPCs live in
-``devices`` and ``servicer``; nothing here knows what a FUSE device is.
+then creates a new ``kubelet.sock``. watchdog (inotify) reports both; its thread only
+marks what changed and wakes the loop, and the loop thread alone changes state: it
+re-creates our socket, serves on it, and registers. Register runs as a future, so a
+kubelet that restarts mid-call is dropped at once for the new one. A slow periodic
+check catches anything a lost event would miss, whatever else is failing. The device
+model and the RPCs live in ``devices`` and ``servicer``; nothing here knows what a FUSE
+device is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +26,7 @@ from pathlib import Path
 import grpc
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
+from watchdog.observers.api import ObservedWatch
 
 from fuse_plugin import logs
 from fuse_plugin.api import api_pb2 as api
@@ -27,19 +34,30 @@ from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.config import API_VERSION, Settings
 from fuse_plugin.devices import DeviceState
 from fuse_plugin.servicer import WORKERS, FusePlugin
+from fuse_plugin.stats import Stats
 
-# How often the safety net re-checks sockets and the device when no event arrives.
+# How often the safety net re-checks sockets, the directory and the device.
 SAFETY_INTERVAL = 5.0
-# Register retries back off from FIRST to CAP seconds; an inotify event resets them.
+# Retries of Register and of serving back off from FIRST to CAP seconds; any event
+# about the kubelet or our socket retries at once.
 BACKOFF_FIRST = 0.02
 BACKOFF_CAP = 5.0
 # The kubelet answers Register after dialling us back; it never takes seconds.
 REGISTER_TIMEOUT = 5.0
 STOP_GRACE = 1.0
+# Liveness: the loop turns at least every SAFETY_INTERVAL; three missed turns mean stuck.
+STUCK_AFTER = 3 * SAFETY_INTERVAL
+# Each Register gets a channel of its own with its own subchannels: grpcio otherwise
+# shares subchannels between every channel to the same target, so a connection that a
+# restarting kubelet reset mid-write could outlive the channel that made it.
+REGISTER_CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1),
+                            ("grpc.enable_retries", 0)]
+
+Identity = tuple[int, int]
 
 
-def _identity(path: Path) -> tuple[int, int] | None:
-    """Inode and ctime together: ext4 hands a re-created socket the same inode."""
+def _identity(path: Path) -> Identity | None:
+    """Inode and ctime together: ext4 hands a re-created file the same inode."""
     try:
         st = os.stat(path)
     except OSError:
@@ -47,61 +65,81 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return st.st_ino, st.st_ctime_ns
 
 
+def _accepts(path: Path) -> bool:
+    """True when a process is listening on the unix socket at ``path``: not stale."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(os.fsencode(path))
+        except OSError:
+            return False
+    return True
+
+
 @dataclass
 class Status:
-    """What the loop has done, read by probes and metrics. Written by the loop, except
-    ``registered``, which the watcher also clears when kubelet.sock disappears."""
+    """What the loop has done, for probes and metrics. Written by the loop thread only."""
 
     registered: bool = False
     serving: bool = False
-    registrations: int = 0
-    registration_failures: int = 0
-    kubelet_restarts: int = 0
     last_error: str = ""
+    # time.monotonic() of the loop's last turn: the liveness probe's heartbeat.
+    last_turn: float = 0.0
 
 
 class _Events(FileSystemEventHandler):
-    """Turns inotify events into flags for the loop; runs on watchdog's thread."""
+    """Turns inotify events into marks for the loop; runs on watchdog's thread."""
 
     def __init__(self, plugin: Lifecycle) -> None:
         self._plugin = plugin
 
     def on_any_event(self, event: FileSystemEvent) -> None:
-        plugin = self._plugin
+        settings = self._plugin.settings
         dest = getattr(event, "dest_path", "") or ""
         paths = {os.fsdecode(event.src_path), os.fsdecode(dest)}
-        if str(plugin.settings.fuse_device) in paths:
-            plugin.device_changed()
-        if str(plugin.settings.kubelet_socket) in paths:
-            if event.event_type == "deleted":
-                plugin.kubelet_gone()
-            else:
-                plugin.kubelet_appeared()
-        if str(plugin.settings.socket_path) in paths and event.event_type == "deleted":
-            plugin.socket_deleted()
+        if str(settings.fuse_device) in paths:
+            self._plugin.mark("device")
+        if str(settings.kubelet_socket) in paths:
+            self._plugin.mark("kubelet")
+        if str(settings.socket_path) in paths:
+            self._plugin.mark("socket")
+        if str(settings.device_plugin_dir) in paths and event.event_type != "modified":
+            self._plugin.mark("directory")  # the directory itself went or came back
 
 
 class Lifecycle:
     """Serve, register, re-register; one loop thread owns every state change."""
 
     def __init__(self, settings: Settings, state: DeviceState, servicer: FusePlugin,
-                 log: logging.Logger) -> None:
+                 log: logging.Logger, stats: Stats) -> None:
         self.settings = settings
         self.state = state
         self.servicer = servicer
         self.status = Status()
         self._log = log
+        self._stats = stats
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._turned = threading.Condition()
+        self._marks: set[str] = set()
+        self._marks_lock = threading.Lock()
         self._need_serve = True
         self._need_register = True
-        self._kubelet_seen: tuple[int, int] | None = None
-        self._our_socket: tuple[int, int] | None = None
+        self._kubelet_seen: Identity | None = None
+        self._our_socket: Identity | None = None
         self._server: grpc.Server | None = None
+        self._pending: tuple[grpc.Future[api.Empty], grpc.Channel, float] | None = None
+        self._register_started = 0.0
+        self._asked_before = False  # any Register sent: a new kubelet.sock is a restart
+        self._retry_at = 0.0
+        self._backoff = BACKOFF_FIRST
+        self._in_use_logged = False
         self._executor = futures.ThreadPoolExecutor(max_workers=WORKERS,
                                                     thread_name_prefix="grpc")
         self._observer = Observer()
-        self.alive = False
+        self._handler = _Events(self)
+        self._watches: dict[Path, tuple[ObservedWatch, Identity | None]] = {}
+        self._running = False
 
     # -- called from other threads -------------------------------------------------
 
@@ -109,164 +147,323 @@ class Lifecycle:
         self._stop.set()
         self._wake.set()
 
-    def kubelet_appeared(self) -> None:
-        self._need_register = True
+    def mark(self, what: str) -> None:
+        """Note that something changed ("device", "kubelet", "socket", "directory")."""
+        with self._marks_lock:
+            self._marks.add(what)
         self._wake.set()
 
-    def kubelet_gone(self) -> None:
-        """The kubelet stopped: unready until a new kubelet.sock accepts us."""
-        if self.status.registered:
-            logs.event(self._log, "kubelet.gone", socket=str(self.settings.kubelet_socket))
-        self.status.registered = False
+    def alive(self, now: float | None = None) -> bool:
+        """Liveness: the loop runs and turned recently, and inotify still reports."""
+        now = time.monotonic() if now is None else now
+        return self._running and self._observer.is_alive() and \
+            now - self.status.last_turn < STUCK_AFTER
 
-    def socket_deleted(self) -> None:
-        self._need_serve = True
-        self._wake.set()
-
-    def device_changed(self) -> None:
-        changed = self.state.refresh()
-        if changed:
-            logs.event(self._log, "device.health", health=changed.health.value,
-                       reason=changed.reason, slots=len(self.state.ids))
+    def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Block until ``predicate()`` holds after one of the loop's turns, or time out."""
+        with self._turned:
+            return self._turned.wait_for(predicate, timeout)
 
     # -- the loop ------------------------------------------------------------------
 
     def run(self) -> int:
         """Run until ``stop()``; returns the process exit code."""
-        self._watch()
+        self._observer.daemon = True
+        self._observer.start()
+        self._rewatch()
         logs.event(self._log, "start", socket=str(self.settings.socket_path),
                    device=str(self.state.device), health=self.state.health.value,
                    slots=len(self.state.ids))
-        backoff = BACKOFF_FIRST
         next_safety = time.monotonic() + SAFETY_INTERVAL
-        self.alive = True
+        self._running = True
         try:
             while not self._stop.is_set():
+                now = time.monotonic()
+                self.status.last_turn = now
                 self._wake.clear()
-                # Flags are cleared before acting, so an event that lands meanwhile
-                # sets them again and is handled on the next turn, not lost.
-                if self._need_serve:
-                    self._need_serve = False
-                    if not self._serving_our_socket():
-                        self._serve()
-                if self._need_register and self._registered_with_this_kubelet():
-                    # A late event for the kubelet.sock we already registered with.
-                    self._need_register = False
-                if self._need_register and self._kubelet_present():
-                    if self._register():
-                        backoff = BACKOFF_FIRST
-                    else:
-                        self._wake.wait(backoff)
-                        backoff = min(backoff * 2, BACKOFF_CAP)
-                        continue
-                timeout = max(0.0, next_safety - time.monotonic())
-                if not self._wake.wait(timeout):
+                if now >= next_safety:
                     self._safety_check()
-                    next_safety = time.monotonic() + SAFETY_INTERVAL
+                    next_safety = now + SAFETY_INTERVAL
+                self._turn(now)
+                with self._turned:
+                    self._turned.notify_all()
+                deadline = next_safety
+                if self._need_serve or self._need_register:
+                    deadline = min(deadline, self._retry_at)
+                if self._pending is not None:
+                    deadline = min(deadline, self._pending[2])
+                self._wake.wait(max(0.0, deadline - time.monotonic()))
         finally:
-            self.alive = False
+            self._running = False
             self._shutdown()
         return 0
 
-    def _watch(self) -> None:
-        handler = _Events(self)
-        self._observer.schedule(handler, str(self.settings.device_plugin_dir))
+    def _take_marks(self) -> set[str]:
+        with self._marks_lock:
+            marks, self._marks = self._marks, set()
+        return marks
+
+    def _turn(self, now: float) -> None:
+        self._check_register()
+        marks = self._take_marks()
+        if "directory" in marks:
+            self._rewatch()
+        if "device" in marks:
+            self._refresh_device()
+        if marks & {"socket", "directory"} and not self.owns_socket():
+            self._need_serve = True
+            self._retry_at = now  # our socket went: no reason to wait
+        if marks & {"kubelet", "directory"}:
+            self._kubelet_changed()
+            self._retry_at = now
+        if now < self._retry_at:
+            return
+        if self._server is not None and not self.owns_socket():
+            self._need_serve = True
+        if self._need_serve:
+            self._serve()
+        if not self._need_serve and self._need_register and self._pending is None:
+            self._register()
+
+    def _retry_later(self) -> None:
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, BACKOFF_CAP)
+
+    def _refresh_device(self) -> None:
+        changed = self.state.refresh()
+        if changed:
+            logs.event(self._log, "device.health", health=changed.health.value,
+                       reason=changed.reason, slots=len(self.state.ids))
+
+    def _kubelet_changed(self) -> None:
+        """kubelet.sock appeared, went or was replaced: decide whether to register."""
+        kubelet = _identity(self.settings.kubelet_socket)
+        if kubelet is None:
+            if self.status.registered:
+                logs.event(self._log, "kubelet.gone",
+                           socket=str(self.settings.kubelet_socket))
+            # A kubelet.sock made in the same clock tick may reuse inode and ctime: the
+            # next one is a new kubelet even when its identity matches the last.
+            self._kubelet_seen = None
+            self.status.registered = False
+            self._cancel_register()
+            return
+        if kubelet != self._kubelet_seen:
+            self._cancel_register()  # a Register still in flight went to the old kubelet
+            self._need_register = True
+        elif not self.status.registered and self._pending is None:
+            self._need_register = True
+
+    @staticmethod
+    def _directory_identity(path: Path) -> Identity | None:
+        """Device and inode: a directory's ctime moves with every entry made in it."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def _watch_targets(self) -> list[Path]:
+        targets = [self.settings.device_plugin_dir, self.settings.device_plugin_dir.parent]
         device_dir = self.settings.fuse_device.parent
-        if device_dir != self.settings.device_plugin_dir and device_dir.is_dir():
-            self._observer.schedule(handler, str(device_dir))
-        self._observer.daemon = True
-        self._observer.start()
+        if device_dir not in targets:
+            targets.append(device_dir)
+        return targets
 
-    def _registered_with_this_kubelet(self) -> bool:
-        """A second Register to the same kubelet makes it drop and re-open our stream."""
-        return self.status.registered and \
-            _identity(self.settings.kubelet_socket) == self._kubelet_seen
+    def _rewatch(self) -> None:
+        """(Re)arm inotify on each directory we watch whose inode changed.
 
-    def _kubelet_present(self) -> bool:
-        return self.settings.kubelet_socket.exists()
-
-    def _serving_our_socket(self) -> bool:
-        """True when the socket file is the one our running server bound.
-
-        Deletion events arrive after the fact, and we delete socket files ourselves (the
-        stale one at start, the old one when re-serving): an event only means "re-serve"
-        if the file at the path is no longer ours.
+        A directory that is deleted takes its inotify watch with it; watching its parent
+        as well tells us when it comes back, so the watch is re-armed at once.
         """
-        return self._server is not None and \
-            _identity(self.settings.socket_path) == self._our_socket
+        for path in self._watch_targets():
+            identity = self._directory_identity(path)
+            watched = self._watches.get(path)
+            if watched is not None and watched[1] == identity and identity is not None:
+                continue
+            if watched is not None:
+                with contextlib.suppress(KeyError, ValueError):  # its emitter already went
+                    self._observer.unschedule(watched[0])
+                del self._watches[path]
+            if identity is None:
+                continue
+            try:
+                watch = self._observer.schedule(self._handler, str(path))
+            except OSError as err:
+                logs.event(self._log, "watch.failed", logging.WARNING, path=str(path),
+                           error=err.strerror or str(err))
+                continue
+            self._watches[path] = (watch, identity)
+            if watched is not None:
+                logs.event(self._log, "watch.rearmed", path=str(path))
+
+    def owns_socket(self) -> bool:
+        """True when the socket file at our path is the one our running server bound.
+
+        Deletion events arrive after the fact, and we delete socket files ourselves (a
+        stale one, the old one when re-serving): an event only means "re-serve" if the
+        file at the path is no longer ours. "No file" is never "our file".
+        """
+        current = _identity(self.settings.socket_path)
+        return self._server is not None and current is not None and \
+            current == self._our_socket
 
     def _serve(self) -> None:
-        """(Re)create our socket and serve on it; a stale file from a crash is removed."""
+        """(Re)create our socket and serve on it; a stale file from a crash is removed,
+        a socket another process is serving on is left alone."""
         started = time.perf_counter()
-        if self._server is not None:
-            # gRPC unlinks a unix socket's path when its listener shuts down: wait for
-            # that to finish, or it would delete the socket the new server binds.
-            self._server.stop(grace=None).wait()
-            self._server = None
         path = self.settings.socket_path
-        try:
-            path.unlink()
-            logs.event(self._log, "socket.stale_removed", socket=str(path))
-        except FileNotFoundError:
-            pass
+        self._stop_server()
+        if path.exists() or path.is_symlink():
+            if _accepts(path):
+                if not self._in_use_logged:
+                    logs.event(self._log, "socket.in_use", logging.WARNING, socket=str(path),
+                               reason="another process serves this socket; waiting")
+                    self._in_use_logged = True
+                self.status.last_error = f"another process serves {path}"
+                self._retry_later()
+                return
+            try:
+                path.unlink()
+                logs.event(self._log, "socket.stale_removed", socket=str(path))
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                self._serve_failed(f"cannot remove stale {path}: {err.strerror}")
+                return
         server = grpc.server(self._executor, options=[("grpc.so_reuseport", 0)])
         api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
-        server.add_insecure_port(f"unix://{path}")
+        try:
+            server.add_insecure_port(f"unix://{path}")
+        except RuntimeError:
+            server.stop(None)
+            where = path.parent
+            reason = (f"{where} does not exist" if not where.is_dir()
+                      else f"cannot bind {path}")
+            self._serve_failed(reason)
+            return
         server.start()
+        identity = _identity(path)
         self._server = server
-        self._our_socket = _identity(path)
+        if identity is None:
+            # Deleted between bind and now (a kubelet wiping the directory): serve again.
+            self._serve_failed(f"{path} vanished right after it was bound")
+            return
+        self._our_socket = identity
+        self._need_serve = False
+        self._in_use_logged = False
+        self._backoff = BACKOFF_FIRST
         self.status.serving = True
-        # A new socket means the kubelet no longer knows us: register again.
+        # A new socket means the kubelet no longer knows us: register again (after
+        # collecting or dropping a Register sent for the old socket).
+        self._cancel_register()
         self._need_register = True
         self.status.registered = False
         logs.event(self._log, "serving", socket=str(path),
                    duration_ms=round((time.perf_counter() - started) * 1000, 2))
 
-    def _register(self) -> bool:
-        started = time.perf_counter()
+    def _serve_failed(self, reason: str) -> None:
+        self.status.serving = False
+        self.status.last_error = reason
+        logs.event(self._log, "serve.failed", logging.WARNING,
+                   socket=str(self.settings.socket_path), error=reason)
+        self._retry_later()
+
+    def _stop_server(self) -> None:
+        if self._server is None:
+            return
+        # gRPC unlinks a unix socket's path when its listener shuts down: wait for that
+        # to finish, or it would delete the socket a new server binds.
+        self._server.stop(grace=None).wait()
+        self._server = None
+        self._our_socket = None
+        self.status.serving = False
+
+    def _register(self) -> None:
         kubelet = self.settings.kubelet_socket
         identity = _identity(kubelet)
-        if self._kubelet_seen is not None and identity != self._kubelet_seen:
-            self.status.kubelet_restarts += 1
+        if identity is None:
+            return
+        if not self.owns_socket():
+            # Looked at after kubelet.sock: a kubelet wipes our socket before it creates
+            # its own, so a socket still here now is one the new kubelet will dial.
+            self._need_serve = True
+            return
+        if self._asked_before and identity != self._kubelet_seen:
+            self._stats.kubelet_restarted()
             logs.event(self._log, "kubelet.restart_seen", socket=str(kubelet))
         self._kubelet_seen = identity
+        self._asked_before = True
         request = api.RegisterRequest(
             version=API_VERSION, endpoint=self.settings.socket_name,
             resource_name=self.settings.resource_name,
             options=api.DevicePluginOptions(get_preferred_allocation_available=True))
         self._need_register = False
+        channel = grpc.insecure_channel(f"unix://{kubelet}", REGISTER_CHANNEL_OPTIONS)
+        call = api_pb2_grpc.RegistrationStub(channel).Register.future(
+            request, timeout=REGISTER_TIMEOUT)
+        call.add_done_callback(lambda _call: self._wake.set())
+        self._pending = (call, channel, time.monotonic() + REGISTER_TIMEOUT + 0.1)
+        self._register_started = time.perf_counter()
+
+    def _check_register(self) -> None:
+        """Collect a finished Register, if any."""
+        if self._pending is None or not self._pending[0].done():
+            return
+        call, channel, _ = self._pending
+        self._pending = None
+        channel.close()
         try:
-            with grpc.insecure_channel(f"unix://{kubelet}") as channel:
-                api_pb2_grpc.RegistrationStub(channel).Register(request,
-                                                                timeout=REGISTER_TIMEOUT)
+            call.result()
+        except grpc.FutureCancelledError:
+            return
         except grpc.RpcError as err:
+            code = err.code()
             self._need_register = True
-            self.status.registration_failures += 1
-            self.status.last_error = f"{err.code().name}: {err.details()}"
-            logs.event(self._log, "register.failed", logging.WARNING, kubelet=str(kubelet),
-                       code=err.code().name, error=err.details())
-            return False
-        self.status.registrations += 1
+            self._stats.registration_failed()
+            self.status.last_error = f"{code.name}: {err.details()}"
+            logs.event(self._log, "register.failed", logging.WARNING,
+                       kubelet=str(self.settings.kubelet_socket), code=code.name,
+                       error=err.details())
+            self._retry_later()
+            return
+        self._stats.registered()
+        self._need_register = False
+        self._backoff = BACKOFF_FIRST
         self.status.registered = True
+        self.status.last_error = ""
         logs.event(self._log, "registered", endpoint=self.settings.socket_name,
                    slots=len(self.state.ids),
-                   duration_ms=round((time.perf_counter() - started) * 1000, 2))
-        return True
+                   duration_ms=round((time.perf_counter() - self._register_started) * 1000,
+                                     2))
+
+    def _cancel_register(self) -> None:
+        self._check_register()  # an answer already in counts, even if its kubelet left
+        if self._pending is None:
+            return
+        call, channel, _ = self._pending
+        self._pending = None
+        call.cancel()
+        channel.close()
+        self._need_register = True
 
     def _safety_check(self) -> None:
-        """Catch what a lost inotify event would hide; cheap: three stat calls."""
-        self.device_changed()
-        if _identity(self.settings.socket_path) != self._our_socket:
+        """Catch what a lost inotify event would hide; cheap: a few stat calls."""
+        self._rewatch()
+        self._refresh_device()
+        if self._server is not None and not self.owns_socket():
             logs.event(self._log, "socket.lost", socket=str(self.settings.socket_path))
             self._need_serve = True
+            self._retry_at = 0.0
+        if self._pending is not None and time.monotonic() > self._pending[2]:
+            self._cancel_register()  # a lost completion: never wait on it for good
         kubelet = _identity(self.settings.kubelet_socket)
-        if kubelet is not None and kubelet != self._kubelet_seen:
-            self._need_register = True
-        if kubelet is None and self.status.registered:
-            self.status.registered = False
+        if kubelet is None or kubelet != self._kubelet_seen or not self.status.registered:
+            self._kubelet_changed()
 
     def _shutdown(self) -> None:
         self._observer.stop()
+        self._cancel_register()
         self.state.close()
         if self._server is not None:
             self._server.stop(grace=STOP_GRACE).wait()

@@ -62,20 +62,30 @@ def _text_value(value: object) -> str:
 
 def setup(log_format: str = "text", level: str = "info", stream: TextIO | None = None,
           **context: Any) -> logging.Logger:
-    """Configure the package logger (idempotent: a second call replaces the handler).
+    """Configure logging (idempotent: a second call replaces the handler).
 
-    ``context`` fields (e.g. the resource name) end every line, so a node running two
-    plugins still has lines that say which one spoke.
+    The handler sits on the root logger so that the warnings of the libraries we use
+    (watchdog, grpc's Python layer) come out in the same format as our events instead of
+    as bare lines that would break a JSON log pipeline. ``context`` fields (e.g. the
+    resource name) end every line, so a node running two plugins still has lines that
+    say which one spoke.
     """
-    logger = logging.getLogger(LOGGER_NAME)
-    for handler in list(logger.handlers):
-        logger.removeHandler(handler)
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "fuse_plugin", False):
+            root.removeHandler(handler)
     handler = logging.StreamHandler(stream or sys.stderr)
+    handler.fuse_plugin = True  # type: ignore[attr-defined]
     handler.setFormatter(JsonFormatter(context) if log_format == "json"
                          else TextFormatter(context))
-    logger.addHandler(handler)
+    root.addHandler(handler)
+    if root.level == logging.NOTSET or root.level < logging.WARNING:
+        root.setLevel(logging.WARNING)
+    logger = logging.getLogger(LOGGER_NAME)
+    for old in list(logger.handlers):
+        logger.removeHandler(old)
     logger.setLevel(level.upper())
-    logger.propagate = False
+    logger.propagate = True
     return logger
 
 

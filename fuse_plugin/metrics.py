@@ -1,68 +1,89 @@
 """Prometheus metrics and the probes' endpoints, on one optional HTTP port.
 
-Values are read from the lifecycle's ``Status`` and the servicer's counters when
-Prometheus scrapes, so nothing is counted twice and the Allocate path pays for one
-histogram observation only. ``/healthz`` says the process and its loop are alive;
-``/readyz`` says the kubelet can use us now: serving, registered, and the device healthy.
+Values are read when Prometheus scrapes: counters from a ``Stats`` snapshot, state from
+the lifecycle's ``Status`` and the device state, so the Allocate path pays for nothing
+here. ``/healthz`` is liveness: the loop turns, inotify reports; anything the loop cannot
+recover from by itself makes it fail so that the kubelet restarts us. ``/readyz`` says
+the kubelet can use us now: our socket is the one at the path, registered, device healthy.
+
+The port faces the node's network, so it defends itself: each connection gets a short
+socket timeout (an idle or half-sent request is dropped) and at most ``MAX_CONNECTIONS``
+are served at once (others are closed at once rather than parked on a thread).
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from itertools import accumulate
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from fuse_plugin.devices import Health
 from fuse_plugin.lifecycle import Lifecycle
+from fuse_plugin.stats import ALLOCATE_BUCKETS, Stats
 
 PREFIX = "fuse_device_plugin"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-# Allocate costs tens of microseconds in-process; buckets reach up to a slow second.
-BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.1, 1.0)
+MAX_CONNECTIONS = 16
+# Probes and scrapes send their request at once; nothing legitimate idles this long.
+CONNECTION_TIMEOUT = 5.0
 
 
-class _StatusCollector(Collector):
-    def __init__(self, lifecycle: Lifecycle) -> None:
+class _Collector(Collector):
+    def __init__(self, lifecycle: Lifecycle, stats: Stats) -> None:
         self._lifecycle = lifecycle
+        self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
         life = self._lifecycle
-        status, state = life.status, life.state
+        counts = self._stats.snapshot()
         yield GaugeMetricFamily(f"{PREFIX}_registered",
                                 "1 when the kubelet has accepted our registration",
-                                value=int(status.registered))
+                                value=int(life.status.registered))
         slots = GaugeMetricFamily(f"{PREFIX}_slots", "Advertised slots by health",
                                   labels=["health"])
         for health in Health:
             slots.add_metric([health.value],
-                             len(state.ids) if state.health is health else 0)
+                             len(life.state.ids) if life.state.health is health else 0)
         yield slots
         yield GaugeMetricFamily(f"{PREFIX}_listandwatch_streams",
                                 "Open ListAndWatch streams", value=life.servicer.open_streams)
         counters = (
-            ("allocations", "Containers given the device by Allocate",
-             life.servicer.allocated_containers),
+            ("allocations", "Containers given the device by Allocate", counts.allocations),
             ("allocate_refusals", "Allocate calls refused with INVALID_ARGUMENT",
-             life.servicer.refusals),
+             counts.refusals),
             ("kubelet_restarts", "Kubelet restarts seen (a new kubelet.sock)",
-             status.kubelet_restarts),
-            ("registrations", "Register calls the kubelet accepted", status.registrations),
+             counts.kubelet_restarts),
+            ("registrations", "Register calls the kubelet accepted", counts.registrations),
             ("registration_failures", "Register calls that failed",
-             status.registration_failures),
+             counts.registration_failures),
         )
         for name, text, value in counters:
             yield CounterMetricFamily(f"{PREFIX}_{name}", text, value=value)
+        bounds = [str(bound) for bound in ALLOCATE_BUCKETS] + ["+Inf"]
+        yield HistogramMetricFamily(
+            f"{PREFIX}_allocate_duration_seconds", "Time to answer Allocate in the plugin",
+            buckets=list(zip(bounds, accumulate(counts.allocate_buckets), strict=True)),
+            sum_value=counts.allocate_seconds_sum)
 
 
 def _readiness(lifecycle: Lifecycle) -> tuple[bool, str]:
     status = lifecycle.status
-    if not status.serving:
-        return False, "not serving: our socket is not up"
+    if not status.serving or not lifecycle.owns_socket():
+        reason = f": {status.last_error}" if status.last_error else ""
+        return False, f"not serving: our socket is not up{reason}"
     if not status.registered:
         return False, f"not registered with the kubelet {status.last_error}".rstrip()
     if lifecycle.state.health is not Health.HEALTHY:
@@ -70,27 +91,46 @@ def _readiness(lifecycle: Lifecycle) -> tuple[bool, str]:
     return True, "ready"
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, address: str, port: int, handler: type[BaseHTTPRequestHandler]
+                 ) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__((address, port), handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # over the cap: close, do not queue
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class MetricsServer:
     """The HTTP endpoint: /metrics, /healthz, /readyz. Off unless --metrics-port is set."""
 
-    def __init__(self, lifecycle: Lifecycle, address: str, port: int) -> None:
+    def __init__(self, lifecycle: Lifecycle, stats: Stats, address: str, port: int) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_StatusCollector(lifecycle))
-        self.allocate_seconds = Histogram(
-            f"{PREFIX}_allocate_duration_seconds", "Time to answer Allocate in the plugin",
-            buckets=BUCKETS, registry=self.registry)
-        lifecycle.servicer.on_allocate = self._observe
-        self._http = ThreadingHTTPServer((address, port), _handler(self, lifecycle))
-        self._http.daemon_threads = True
+        self.registry.register(_Collector(lifecycle, stats))
+        self._http = _Server(address, port, _handler(self.registry, lifecycle))
         self._thread = threading.Thread(target=self._http.serve_forever, name="metrics",
                                         daemon=True)
 
     @property
     def port(self) -> int:
         return int(self._http.server_address[1])
-
-    def _observe(self, containers: int, seconds: float) -> None:
-        self.allocate_seconds.observe(seconds)
 
     def start(self) -> MetricsServer:
         self._thread.start()
@@ -101,16 +141,19 @@ class MetricsServer:
         self._http.server_close()
 
 
-def _handler(server: MetricsServer, lifecycle: Lifecycle) -> type[BaseHTTPRequestHandler]:
+def _handler(registry: CollectorRegistry, lifecycle: Lifecycle
+             ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = CONNECTION_TIMEOUT
+
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
-                self._send(HTTPStatus.OK, generate_latest(server.registry), CONTENT_TYPE)
+                self._send(HTTPStatus.OK, generate_latest(registry), CONTENT_TYPE)
             elif path == "/healthz":
-                alive = lifecycle.alive
+                alive = lifecycle.alive()
                 self._send(HTTPStatus.OK if alive else HTTPStatus.SERVICE_UNAVAILABLE,
-                           b"ok\n" if alive else b"loop stopped\n")
+                           b"ok\n" if alive else b"loop stopped or stuck\n")
             elif path == "/readyz":
                 ready, reason = _readiness(lifecycle)
                 self._send(HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import NoReturn
 
 import grpc
 
@@ -19,6 +20,7 @@ from fuse_plugin import logs
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.devices import DeviceState, Health
+from fuse_plugin.stats import Stats
 
 CONTAINER_DEVICE = "/dev/fuse"
 # The kubelet opens one ListAndWatch stream per registration. The sync gRPC server gives
@@ -31,17 +33,11 @@ WORKERS = MAX_STREAMS + 8
 class FusePlugin(api_pb2_grpc.DevicePluginServicer):
     """Answers the kubelet from ``DeviceState``; responses are prebuilt where they can be."""
 
-    def __init__(self, state: DeviceState, log: logging.Logger,
-                 on_allocate: Callable[[int, float], None] | None = None,
+    def __init__(self, state: DeviceState, log: logging.Logger, stats: Stats,
                  cdi_device: str | None = None) -> None:
         self._state = state
         self._log = log
-        # Called with (containers, seconds) after each successful Allocate (metrics).
-        self.on_allocate = on_allocate
-        self.allocated_containers = 0
-        self.refusals = 0
-        # Allocate runs on many worker threads; `+=` on an attribute is not atomic.
-        self._counts = threading.Lock()
+        self._stats = stats
         self._streams = 0
         self._streams_lock = threading.Lock()
         # Both possible device lists are built once: a 10,000-slot list costs ~20 ms
@@ -110,7 +106,7 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
                               f"{', '.join(missing)}")
             chosen = set(must)
             # Lowest slots first, so allocations pack and the list is deterministic.
-            extra = sorted((i for i in available if i not in chosen), key=_slot_order)
+            extra = sorted((i for i in available if i not in chosen), key=self._slot_order)
             picked = must + extra[:size - len(must)]
             if len(picked) < size:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -137,10 +133,7 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
         response = api.AllocateResponse(
             container_responses=[self._container] * len(containers))
         elapsed = time.perf_counter() - started
-        with self._counts:
-            self.allocated_containers += len(containers)
-        if self.on_allocate:
-            self.on_allocate(len(containers), elapsed)
+        self._stats.allocated(len(containers), elapsed)
         logs.event(self._log, "allocate", containers=len(containers), ids=ids,
                    host_path=str(self._state.device),
                    duration_ms=round(elapsed * 1000, 3))
@@ -150,13 +143,11 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
                           context: grpc.ServicerContext) -> api.PreStartContainerResponse:
         return api.PreStartContainerResponse()
 
-    def _refuse(self, context: grpc.ServicerContext, detail: str, ids: list[str]) -> None:
-        with self._counts:
-            self.refusals += 1
+    def _refuse(self, context: grpc.ServicerContext, detail: str, ids: list[str]) -> NoReturn:
+        self._stats.refused()
         logs.event(self._log, "allocate.refused", logging.WARNING, ids=ids, reason=detail)
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail)
 
-
-def _slot_order(device_id: str) -> tuple[int, str]:
-    _, _, number = device_id.rpartition("-")
-    return (int(number), "") if number.isdigit() else (1 << 62, device_id)
+    def _slot_order(self, device_id: str) -> tuple[int, str]:
+        """Our slots in index order; an ID that is not ours sorts after them, by name."""
+        return self._state.order.get(device_id, len(self._state.order)), device_id

@@ -14,10 +14,7 @@ container confined by the generated seccomp profile (see ``fuse_plugin.oci``).
 from __future__ import annotations
 
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -27,14 +24,12 @@ import grpc
 from fuse_plugin import logs
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.config import DEFAULT_FUSE_DEVICE, Settings
-from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR, DeviceState, Health, probe
+from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR, Health, probe
 from fuse_plugin.errors import Failure
-from fuse_plugin.lifecycle import Lifecycle
-from fuse_plugin.servicer import FusePlugin
+from fuse_plugin.plugin import in_background
 from fuse_plugin.sim.kubelet import KubeletStandIn
 from fuse_plugin.sim.node import make_node
 
-DEFAULT_SLOTS = 8
 WAIT = 15.0
 
 
@@ -93,21 +88,6 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms"
 
 
-@contextmanager
-def running_plugin(settings: Settings) -> Iterator[Lifecycle]:
-    """The plugin exactly as ``serve`` builds it, on a thread; stopped and joined on exit."""
-    log = logs.setup(settings.log_format, settings.log_level)
-    state = DeviceState(settings.fuse_device, settings.slots)
-    lifecycle = Lifecycle(settings, state, FusePlugin(state, log), log)
-    thread = threading.Thread(target=lifecycle.run, name="plugin", daemon=True)
-    thread.start()
-    try:
-        yield lifecycle
-    finally:
-        lifecycle.stop()
-        thread.join(WAIT)
-
-
 def describe_allocation(response: api.AllocateResponse) -> list[str]:
     """The DeviceSpecs, mounts and env of an Allocate answer, one line each."""
     lines = []
@@ -121,7 +101,7 @@ def describe_allocation(response: api.AllocateResponse) -> list[str]:
     return lines
 
 
-def run(out: TextIO, slots: int = DEFAULT_SLOTS, mount: bool = False) -> int:
+def run(out: TextIO, slots: int, mount: bool = False) -> int:
     """The whole demo; returns 0, or raises DemoError with the line to show."""
     say = Narrator(out)
     say.line("fuse-device-plugin demo: the device-plugin flow on this machine, no cluster "
@@ -152,7 +132,9 @@ def _plugin_flow(say: Narrator, kubelet: KubeletStandIn, settings: Settings
                  ) -> api.AllocateResponse | None:
     resource = settings.resource_name
     started = time.perf_counter()
-    with running_plugin(settings) as plugin:
+    log = logs.setup(settings.log_format, settings.log_level)
+    with in_background(settings, log) as running:
+        plugin = running.lifecycle
         say.step(f"Plugin started (the code `serve` runs), {settings.slots} slots")
         try:
             registration = kubelet.wait_registered(1, WAIT)

@@ -21,14 +21,16 @@ from typing import Any
 import grpc
 import pytest
 
-from fuse_plugin import cli, logs
+from fuse_plugin import cli, logs, plugin
 from fuse_plugin.api import api_pb2_grpc
+from fuse_plugin.config import Settings
 from fuse_plugin.devices import DeviceState
 from fuse_plugin.doctor import checks as doctor
 from fuse_plugin.doctor import explain as fuse_errors
 from fuse_plugin.servicer import WORKERS, FusePlugin
 from fuse_plugin.sim.kubelet import KubeletStandIn
 from fuse_plugin.sim.node import make_node
+from fuse_plugin.stats import Stats
 from tests.conftest import Node, PluginProcess
 
 PLUGIN_DIR = "var/lib/kubelet/device-plugins"
@@ -98,15 +100,26 @@ def stale_socket(path: Path) -> None:
 
 
 @contextmanager
-def fuse_plugin(bind: Path, device: Path, move_to: Path | None = None) -> Iterator[None]:
-    """The real servicer on a real gRPC server on a unix socket (optionally moved after bind)."""
+def fuse_plugin(directory: Path, device: Path) -> Iterator[None]:
+    """The plugin exactly as ``serve`` builds it, serving in ``directory``."""
+    settings = Settings(device_plugin_dir=directory, fuse_device=device, slots=4,
+                        log_level="error")
+    with plugin.in_background(settings, logs.get()) as running:
+        assert running.lifecycle.wait_until(running.lifecycle.owns_socket, 10), "never served"
+        yield
+
+
+@contextmanager
+def answering_moved(bind: Path, device: Path, move_to: Path) -> Iterator[None]:
+    """The servicer on a socket bound at a short path and then moved to ``move_to``: a
+    path longer than a socket address holds, which no plugin could bind there itself."""
     state = DeviceState(device, 4)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS))
-    api_pb2_grpc.add_DevicePluginServicer_to_server(FusePlugin(state, logs.get()), server)
+    api_pb2_grpc.add_DevicePluginServicer_to_server(FusePlugin(state, logs.get(), Stats()),
+                                                    server)
     server.add_insecure_port(f"unix://{bind}")
     server.start()
-    if move_to is not None:
-        os.rename(bind, move_to)
+    os.rename(bind, move_to)
     try:
         yield
     finally:
@@ -122,7 +135,7 @@ def healthy(root: Path) -> Iterator[Path]:
     build_static_tree(root)
     device = make_device(root)
     with listening(root / PLUGIN_DIR / "kubelet.sock"), \
-            fuse_plugin(root / PLUGIN_DIR / SOCKET, device):
+            fuse_plugin(root / PLUGIN_DIR, device):
         yield root
 
 
@@ -249,7 +262,7 @@ def test_no_kubelet_socket_fails(root: Path, run_doctor: Run) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root: the fake node's /dev/fuse is made with mknod")
     build_static_tree(root)
-    with fuse_plugin(root / PLUGIN_DIR / SOCKET, make_device(root)):
+    with fuse_plugin(root / PLUGIN_DIR, make_device(root)):
         code, lines, _ = run_doctor(root)
     assert lines["kubelet socket"]["verdict"] == "fail"
     assert lines["kubelet socket"]["detail"] == (
@@ -339,7 +352,7 @@ def test_plugin_socket_deeper_than_a_socket_name_allows(tmp_path: Path) -> None:
     assert len(os.fsencode(target)) > doctor.SUN_PATH_MAX
     short = Path(tempfile.mkdtemp(prefix="fdp-", dir="/tmp"))
     try:
-        with fuse_plugin(short / "p.sock", make_device(deep), move_to=target):
+        with answering_moved(short / "p.sock", make_device(deep), target):
             check = doctor.check_plugin_socket(doctor.Node(root=deep))
     finally:
         shutil.rmtree(short)

@@ -12,21 +12,46 @@ import grpc_testing  # type: ignore[import-untyped]
 import pytest
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.devices import DeviceState
+from fuse_plugin.devices import DeviceState, Health, Probe
 from fuse_plugin.servicer import FusePlugin
+from fuse_plugin.stats import Stats
 from tests.conftest import Node, make_fuse_node
 
 SERVICE = api.DESCRIPTOR.services_by_name["DevicePlugin"]
+DEVICE = Path("/dev/fuse")
+
+
+class Device:
+    """A FUSE node whose presence the test switches: the RPCs' logic needs no real node
+    (and no root to make one); the real node's checks are tested at the end."""
+
+    def __init__(self) -> None:
+        self.present = True
+
+    def __call__(self, path: Path) -> Probe:
+        if self.present:
+            return Probe(Health.HEALTHY, f"{path} is char 10:229")
+        return Probe(Health.UNHEALTHY, f"{path} does not exist")
 
 
 @pytest.fixture
-def state(node: Node) -> DeviceState:
-    return DeviceState(node.device, 4)
+def device() -> Device:
+    return Device()
 
 
 @pytest.fixture
-def server(state: DeviceState) -> grpc_testing.Server:
-    plugin = FusePlugin(state, logging.getLogger("test"))
+def state(device: Device) -> DeviceState:
+    return DeviceState(DEVICE, 4, device)
+
+
+@pytest.fixture
+def stats() -> Stats:
+    return Stats()
+
+
+@pytest.fixture
+def server(state: DeviceState, stats: Stats) -> grpc_testing.Server:
+    plugin = FusePlugin(state, logging.getLogger("test"), stats)
     return grpc_testing.server_from_dictionary({SERVICE: plugin},
                                                grpc_testing.strict_real_time())
 
@@ -54,13 +79,13 @@ def test_options_offer_preferred_allocation_and_no_prestart(server: grpc_testing
 
 
 def test_allocate_answers_each_container_with_the_fuse_device(
-        server: grpc_testing.Server, node: Node) -> None:
+        server: grpc_testing.Server) -> None:
     response, code, _ = allocate(server, ["fuse-0"], ["fuse-1"])
     assert code is grpc.StatusCode.OK
     assert len(response.container_responses) == 2
     for container in response.container_responses:
         assert list(container.devices) == [api.DeviceSpec(
-            container_path="/dev/fuse", host_path=str(node.device), permissions="rw")]
+            container_path="/dev/fuse", host_path=str(DEVICE), permissions="rw")]
         assert not container.mounts
         assert not container.envs
         assert not container.cdi_devices
@@ -81,8 +106,8 @@ def test_allocate_refuses_bad_ids_naming_them(server: grpc_testing.Server,
 
 
 def test_allocate_refuses_unhealthy_ids(server: grpc_testing.Server, state: DeviceState,
-                                        node: Node) -> None:
-    node.remove_device()
+                                        device: Device) -> None:
+    device.present = False
     assert state.refresh() is not None
     _, code, details = allocate(server, ["fuse-0", "fuse-2"])
     assert code is grpc.StatusCode.INVALID_ARGUMENT
@@ -143,15 +168,15 @@ def _healths(message: api.ListAndWatchResponse) -> list[str]:
 
 
 def test_list_and_watch_sends_the_list_then_every_health_change(
-        server: grpc_testing.Server, state: DeviceState, node: Node) -> None:
+        server: grpc_testing.Server, state: DeviceState, device: Device) -> None:
     stream = _stream(server)
     first = next(stream)
     assert [d.ID for d in first.devices] == ["fuse-0", "fuse-1", "fuse-2", "fuse-3"]
     assert _healths(first) == ["Healthy"] * 4
-    node.remove_device()
+    device.present = False
     state.refresh()
     assert _healths(next(stream)) == ["Unhealthy"] * 4
-    node.restore_device()
+    device.present = True
     state.refresh()
     assert _healths(next(stream)) == ["Healthy"] * 4
     stream.close()
@@ -180,3 +205,25 @@ def test_wrong_device_node_is_unhealthy(tmp_path: Path, node: Node) -> None:
     state = DeviceState(wrong, 1)
     assert state.health.value == "Unhealthy"
     assert "195:0, not 10:229" in state.reason
+
+
+def test_allocations_and_refusals_reach_the_stats(server: grpc_testing.Server,
+                                                  stats: Stats) -> None:
+    allocate(server, ["fuse-0"], ["fuse-1"])
+    allocate(server, ["fuse-9"])
+    counts = stats.snapshot()
+    assert (counts.allocations, counts.refusals) == (2, 1)
+    assert sum(counts.allocate_buckets) == 1
+
+
+@pytest.mark.parametrize("odd", ["fuse-\N{SUPERSCRIPT TWO}", "fuse-" + "9" * 5000,
+                                 "fuse--1", "gpu-0", ""])
+def test_preferred_allocation_ranks_ids_that_are_not_ours_last(server: grpc_testing.Server,
+                                                               odd: str) -> None:
+    request = api.PreferredAllocationRequest(container_requests=[
+        api.ContainerPreferredAllocationRequest(available_deviceIDs=[odd, "fuse-3", "fuse-1"],
+                                                allocation_size=2)])
+    response, code, details = unary(server, "GetPreferredAllocation", request)
+    assert code is grpc.StatusCode.OK, details
+    assert list(response.container_responses[0].deviceIDs) == [  # type: ignore[attr-defined]
+        "fuse-1", "fuse-3"]
