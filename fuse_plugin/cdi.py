@@ -23,7 +23,6 @@ from typing import Any
 from fuse_plugin.config import DEFAULT_RESOURCE_NAME
 from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR
 
-DEFAULT_CDI_DIR = Path("/var/run/cdi")
 DEVICE_NAME = "fuse"
 CONTAINER_PATH = "/dev/fuse"
 # The oldest spec version that has deviceNodes[].hostPath. Declaring the oldest version

@@ -11,16 +11,18 @@ import argparse
 import ipaddress
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from fuse_plugin.errors import EXIT_USAGE, Failure
 from fuse_plugin.logs import FORMATS, LEVELS
 
 ENV_PREFIX = "FUSE_DEVICE_PLUGIN_"
 DEFAULT_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 DEFAULT_RESOURCE_NAME = "github.com/fuse"
 DEFAULT_FUSE_DEVICE = Path("/dev/fuse")
+DEFAULT_CDI_DIR = Path("/var/run/cdi")
 # Why 1000: /dev/fuse is shared, so a slot is only a ticket. The kubelet never runs more
 # pods than maxPods (110 by default, 250 on the largest managed-node presets), but each
 # container that asks for the resource takes its own slot. 1000 covers the largest
@@ -31,8 +33,12 @@ KUBELET_SOCKET = "kubelet.sock"
 API_VERSION = "v1beta1"
 
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_DNS_SUBDOMAIN = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*$")
-_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+# Used with fullmatch: `$` would also match before a trailing newline.
+_DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
+_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+# A unix socket's path must fit sockaddr_un.sun_path (108 bytes with its NUL).
+SOCKET_PATH_MAX = 107
+PATH_MAX = 4095
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,7 @@ class Settings:
     metrics_port: int = 0
     metrics_address: str = "0.0.0.0"
     cdi: bool = False
-    cdi_dir: Path = Path("/var/run/cdi")
+    cdi_dir: Path = DEFAULT_CDI_DIR
 
     @property
     def socket_name(self) -> str:
@@ -63,24 +69,29 @@ class Settings:
 
 
 def resource_name(text: str) -> str:
-    """An extended resource name the kubelet accepts: ``<dns-subdomain>/<name>``.
+    """An extended resource name as the kubelet's ``IsExtendedResourceName`` judges it.
 
-    The kubelet refuses names without a domain and names in the kubernetes.io
-    domains (those are native resources), so catch that here rather than in a
-    Register retry loop.
+    Not native (no ``kubernetes.io/`` anywhere, a domain present), not starting with
+    ``requests.``, and ``requests.<name>`` a qualified name: the quota name the API server
+    derives from it must be valid too, which caps the domain at 244 characters. Anything
+    else the kubelet refuses, and the plugin would retry Register for ever.
     """
     domain, sep, name = text.partition("/")
     if not sep or not domain or not name:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not an extended resource name: expected DOMAIN/NAME, "
             "e.g. github.com/fuse")
-    if len(domain) > 253 or not _DNS_SUBDOMAIN.match(domain):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: domain {domain!r} is not a lowercase DNS subdomain")
-    if domain == "kubernetes.io" or domain.endswith(".kubernetes.io"):
+    if "kubernetes.io/" in text:
         raise argparse.ArgumentTypeError(
             f"{text!r}: the kubernetes.io domain is reserved for native resources")
-    if len(name) > 63 or not _NAME.match(name):
+    if text.startswith("requests."):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a name starting with 'requests.' is a quota name, not a resource")
+    if len("requests." + domain) > 253 or not _DNS_SUBDOMAIN.fullmatch(domain):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: domain {domain!r} is not a lowercase DNS subdomain of at most "
+            "244 characters")
+    if len(name) > 63 or not _NAME.fullmatch(name):
         raise argparse.ArgumentTypeError(
             f"{text!r}: name {name!r} must be 1-63 characters of [A-Za-z0-9-_.], "
             "starting and ending alphanumeric")
@@ -122,8 +133,25 @@ def boolean(text: str) -> bool:
 
 def absolute_path(text: str) -> Path:
     if not text or "\0" in text or not text.startswith("/"):
-        raise argparse.ArgumentTypeError(f"must be an absolute path, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be an absolute path, got {text[:100]!r}")
+    try:
+        encoded = text.encode()
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(
+            f"must be valid UTF-8, got {text[:100]!r}") from None
+    if len(encoded) > PATH_MAX:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {PATH_MAX} bytes, got {len(encoded)}")
     return Path(text)
+
+
+def plugin_dir(text: str) -> Path:
+    """An absolute path gRPC can dial: its ``unix:`` targets split addresses at commas."""
+    path = absolute_path(text)
+    if "," in text:
+        raise argparse.ArgumentTypeError(
+            f"must not contain a comma (gRPC reads it as a list of addresses), got {text!r}")
+    return path
 
 
 def choice(options: tuple[str, ...]) -> Callable[[str], str]:
@@ -135,25 +163,29 @@ def choice(options: tuple[str, ...]) -> Callable[[str], str]:
     return check
 
 
-# flag, type, default, help: the one table the CLI and the env twins are built from.
-SERVE_FLAGS: tuple[tuple[str, Callable[[str], object], object, str], ...] = (
-    ("--device-plugin-dir", absolute_path, DEFAULT_DEVICE_PLUGIN_DIR,
+# flag, type, help: the one table the CLI and the env twins are built from; each flag
+# is named after its Settings field, which holds the default.
+SERVE_FLAGS: tuple[tuple[str, Callable[[str], object], str], ...] = (
+    ("--device-plugin-dir", plugin_dir,
      "the kubelet's device-plugin directory (holds kubelet.sock)"),
-    ("--resource-name", resource_name, DEFAULT_RESOURCE_NAME,
-     "extended resource to advertise"),
-    ("--fuse-device", absolute_path, DEFAULT_FUSE_DEVICE,
+    ("--resource-name", resource_name, "extended resource to advertise"),
+    ("--fuse-device", absolute_path,
      "host FUSE device node handed to containers (must be char 10:229)"),
-    ("--slots", slots, DEFAULT_SLOTS,
-     "how many containers may hold the shared device at once"),
-    ("--log-format", choice(FORMATS), "text", "log line format: text or json"),
-    ("--log-level", choice(LEVELS), "info", "debug, info, warning or error"),
-    ("--metrics-port", port, 0,
-     "serve /metrics, /healthz and /readyz on this port; 0 turns it off"),
-    ("--metrics-address", address, "0.0.0.0", "address the metrics port binds to"),
-    ("--cdi", boolean, False,
+    ("--slots", slots, "how many containers may hold the shared device at once"),
+    ("--log-format", choice(FORMATS), "log line format: text or json"),
+    ("--log-level", choice(LEVELS), "debug, info, warning or error"),
+    ("--metrics-port", port, "serve /metrics, /healthz and /readyz on this port; 0 turns it off"),
+    ("--metrics-address", address, "address the metrics port binds to (IPv4 or IPv6)"),
+    ("--cdi", boolean,
      "also write a CDI spec and answer Allocate with its device name (Kubernetes 1.28+)"),
-    ("--cdi-dir", absolute_path, Path("/var/run/cdi"), "where the CDI spec is written"),
+    ("--cdi-dir", absolute_path, "where the CDI spec is written"),
 )
+
+
+def default(flag: str) -> object:
+    """The default of a serve flag: its Settings field's."""
+    name = flag.lstrip("-").replace("-", "_")
+    return next(f.default for f in fields(Settings) if f.name == name)
 
 
 def env_name(flag: str) -> str:
@@ -177,20 +209,31 @@ def _checked(kind: Callable[[str], object]) -> Callable[[str], object]:
     return check
 
 
-def add_serve_flags(parser: argparse.ArgumentParser) -> None:
-    """Add the serve flags; an environment twin supplies the default when set."""
-    for flag, kind, default, help_text in SERVE_FLAGS:
+def add_serve_flags(parser: argparse.ArgumentParser,
+                    only: Collection[str] | None = None) -> None:
+    """Add the serve flags (or ``only`` those); an environment twin supplies the default
+    when set."""
+    for flag, kind, help_text in SERVE_FLAGS:
+        if only is not None and flag not in only:
+            continue
         env = env_name(flag)
-        value: object = default
+        value: object = default(flag)
         if env in os.environ:
             value = _FromEnv(os.environ[env])
             value.env = env
         # A boolean flag may stand alone (`--cdi`) or take a value (`--cdi false`).
         extra: dict[str, object] = {"nargs": "?", "const": True} if kind is boolean else {}
         parser.add_argument(flag, type=_checked(kind), default=value, **extra,  # type: ignore[arg-type]
-                            help=f"{help_text} (env {env}; default: {default})")
+                            help=f"{help_text} (env {env}; default: {default(flag)})")
 
 
 def from_args(args: argparse.Namespace) -> Settings:
-    """Settings from parsed serve flags: each field is named after its flag."""
-    return Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)})
+    """Settings from parsed serve flags (each field is named after its flag), with the
+    checks that need two of them; raises ``Failure`` (exit 2)."""
+    settings = Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)})
+    size = len(os.fsencode(settings.socket_path))
+    if size > SOCKET_PATH_MAX:
+        raise Failure(f"the plugin's socket {settings.socket_path} would be {size} bytes, "
+                      f"more than a unix socket path holds ({SOCKET_PATH_MAX}): use a "
+                      "shorter --device-plugin-dir or --resource-name", EXIT_USAGE)
+    return settings

@@ -6,7 +6,6 @@ command fails the same way: ``fuse-device-plugin: error: <message>``, never a tr
 
 from __future__ import annotations
 
-EXIT_OK = 0
 EXIT_FAILURE = 1  # a runtime failure
 EXIT_USAGE = 2  # bad flags or input
 

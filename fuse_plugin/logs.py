@@ -57,7 +57,10 @@ def _text_value(value: object) -> str:
         text = ",".join(str(item) for item in value)
     else:
         text = value if isinstance(value, str) else json.dumps(value, default=str)
-    return json.dumps(text) if (" " in text or not text) else text
+    # Quoted (JSON escapes) when it holds a space, a quote, an '=' or anything unprintable:
+    # a newline in a device ID or a path must not start a forged log line.
+    plain = text and text.isprintable() and not any(c in text for c in ' "=')
+    return text if plain else json.dumps(text)
 
 
 def setup(log_format: str = "text", level: str = "info", stream: TextIO | None = None,

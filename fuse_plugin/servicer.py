@@ -28,6 +28,9 @@ CONTAINER_DEVICE = "/dev/fuse"
 # (Allocate above all) always find a free worker.
 MAX_STREAMS = 16
 WORKERS = MAX_STREAMS + 8
+# A refusal names at most this many IDs: a status detail travels in a header that gRPC
+# caps at 16 KiB, and a request naming 100,000 bad IDs must still get its answer.
+MAX_NAMED = 10
 
 
 class FusePlugin(api_pb2_grpc.DevicePluginServicer):
@@ -103,7 +106,7 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
             if missing:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"must_include_deviceIDs not in available_deviceIDs: "
-                              f"{', '.join(missing)}")
+                              f"{_some(missing)}")
             chosen = set(must)
             # Lowest slots first, so allocations pack and the list is deterministic.
             extra = sorted((i for i in available if i not in chosen), key=self._slot_order)
@@ -125,7 +128,7 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
                          "must name at least one device ID", ids)
         problems = self._state.problems(ids)
         if problems:
-            detail = "; ".join(f"{kind} device IDs: {', '.join(found)}"
+            detail = "; ".join(f"{kind} device IDs: {_some(found)}"
                                for kind, found in problems.items())
             if "unhealthy" in problems:
                 detail += f" ({self._state.reason})"
@@ -145,9 +148,15 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
 
     def _refuse(self, context: grpc.ServicerContext, detail: str, ids: list[str]) -> NoReturn:
         self._stats.refused()
-        logs.event(self._log, "allocate.refused", logging.WARNING, ids=ids, reason=detail)
+        logs.event(self._log, "allocate.refused", logging.WARNING, ids=ids[:MAX_NAMED],
+                   count=len(ids), reason=detail)
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail)
 
     def _slot_order(self, device_id: str) -> tuple[int, str]:
         """Our slots in index order; an ID that is not ours sorts after them, by name."""
         return self._state.order.get(device_id, len(self._state.order)), device_id
+
+
+def _some(ids: list[str]) -> str:
+    shown = ", ".join(ids[:MAX_NAMED])
+    return shown if len(ids) <= MAX_NAMED else f"{shown} and {len(ids) - MAX_NAMED} more"

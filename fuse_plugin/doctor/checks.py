@@ -435,11 +435,7 @@ _SHARED_FLAGS = ("--device-plugin-dir", "--resource-name", "--fuse-device")
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    for flag, kind, default, help_text in config.SERVE_FLAGS:
-        if flag in _SHARED_FLAGS:
-            env = config.env_name(flag)
-            parser.add_argument(flag, type=kind, default=os.environ.get(env, default),
-                                help=f"{help_text} (env {env}; default: {default})")
+    config.add_serve_flags(parser, only=_SHARED_FLAGS)
     parser.add_argument("--root", type=config.absolute_path, default=Path("/"), metavar="DIR",
                         help="read every node path under this directory, e.g. /host in a pod "
                              "that mounts the node's / there (default: /)")

@@ -138,7 +138,10 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
                 self.refusals.append(problem)
                 self._cond.notify_all()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        channel = grpc.insecure_channel(f"unix://{self.directory / request.endpoint}")
+        # Like the kubelet's grpc.Dial, a connection of its own per registration: grpcio would
+        # otherwise share one subchannel (and its reconnect backoff) per target.
+        channel = grpc.insecure_channel(f"unix://{self.directory / request.endpoint}",
+                                        [("grpc.use_local_subchannel_pool", 1)])
         stub = api_pb2_grpc.DevicePluginStub(channel)
         try:
             options = stub.GetDevicePluginOptions(api.Empty(), timeout=DIAL_TIMEOUT,

@@ -1,0 +1,295 @@
+"""Issue 15 on the serve side: what a crash-looping kubelet, a second copy of the plugin,
+a confused operator or a hostile client can do. Every case ends in a one-line error or a
+gRPC status and the plugin comes back by itself; nothing here waits on a clock."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from fuse_plugin.api import api_pb2 as api
+from fuse_plugin.sim.kubelet import KubeletStandIn
+from tests.conftest import RESOURCE, Node, PluginProcess, StartPlugin
+from tests.unit.test_metrics import eventually, free_port, get
+from tests.waiting import wait_until
+
+SOCKET = "github.com_fuse.sock"
+# The plugin's RSS after a storm; it idles at ~36 MiB, and the storm that once grew it
+# by half a gigabyte a second is caught long before this.
+STORM_RSS_LIMIT_MIB = 48
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def healthy(count: int) -> Callable[[dict[str, str]], bool]:
+    return lambda devices: len(devices) == count and set(devices.values()) == {"Healthy"}
+
+
+# -- bad flags and environment twins ---------------------------------------------------
+
+LONG_DOMAIN = "a" * 60 + ".example.com"
+BAD_SERVE_ARGS = [
+    (["--resource-name", "notkubernetes.io/fuse"], "reserved for native resources"),
+    (["--resource-name", "requests.example.com/fuse"], "is a quota name"),
+    (["--resource-name", "example.com/fuse\n"], "must be 1-63 characters"),
+    (["--resource-name", "b" * 250 + ".io/fuse"], "at most 244 characters"),
+    (["--resource-name", f"{LONG_DOMAIN}/fuse-with-a-long-name"],
+     "more than a unix socket path holds (107)"),
+    (["--device-plugin-dir", "/" + "d" * 5000], "must be at most 4095 bytes"),
+    (["--device-plugin-dir", "/tmp/a,b"], "must not contain a comma"),
+    (["--device-plugin-dir", "/tmp/" + "x" * 90], "more than a unix socket path holds"),
+    (["--metrics-address", "::g"], "must be an IP address"),
+]
+
+
+def serve(args: list[str] | list[bytes], env: dict[str, str] | None = None
+          ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fuse_plugin", "serve", *args],
+                          capture_output=True, text=True, timeout=30, check=False,
+                          env={**os.environ, **(env or {})})
+
+
+def assert_one_line_usage_error(result: subprocess.CompletedProcess[str], message: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_SERVE_ARGS)
+def test_bad_serve_flag_is_one_line(args: list[str], message: str) -> None:
+    assert_one_line_usage_error(serve(args), message)
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_SERVE_ARGS)
+def test_bad_environment_twin_is_one_line(args: list[str], message: str) -> None:
+    flag, value = args
+    env = {"FUSE_DEVICE_PLUGIN_" + flag.lstrip("-").replace("-", "_").upper(): value}
+    assert_one_line_usage_error(serve([], env), message)
+
+
+def test_non_utf8_device_plugin_dir_is_one_line() -> None:
+    result = subprocess.run([sys.executable.encode(), b"-m", b"fuse_plugin", b"serve",
+                             b"--device-plugin-dir", b"/tmp/\xff\xfe"],
+                            capture_output=True, timeout=30, check=False)
+    stderr = result.stderr.decode(errors="replace")
+    assert result.returncode == 2, stderr
+    assert "must be valid UTF-8" in stderr
+    assert len(stderr.strip().splitlines()) == 1
+    assert "Traceback" not in stderr
+
+
+# -- the kubelet misbehaving ----------------------------------------------------------
+
+def test_storm_of_back_to_back_kubelet_restarts(node: Node, kubelet: KubeletStandIn,
+                                                start_plugin: StartPlugin) -> None:
+    """A crash-looping kubelet: stop, wipe every socket, start, 200 times without waiting
+    (every third time only until our socket is back, so Register is caught mid-call)."""
+    plugin = start_plugin()
+    kubelet.wait_registered(1)
+    ours = node.plugin_dir / SOCKET
+    for restart in range(200):
+        kubelet.restart()
+        if restart % 3 == 0:
+            wait_until(node.plugin_dir, ours.exists)
+    arrived = kubelet.started_at
+    assert kubelet.wait_for(
+        lambda: any(r.received >= arrived for r in kubelet.registrations), 10), plugin.log
+    kubelet.wait_devices(RESOURCE, healthy(8))
+    assert kubelet.allocate(RESOURCE, [["fuse-0"]]).container_responses
+    assert rss_mib(plugin.proc.pid) < STORM_RSS_LIMIT_MIB
+    assert plugin.proc.poll() is None
+    assert "Traceback" not in plugin.log
+
+
+def test_kubelet_that_never_answers_register(node: Node, start_plugin: StartPlugin) -> None:
+    """A kubelet.sock that accepts and never answers: when a real kubelet replaces it,
+    the Register in flight is dropped for the new one, not waited out and failed."""
+    plugin = start_plugin()
+    hung = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hung.bind(str(node.plugin_dir / "kubelet.sock"))
+    hung.listen(8)
+    hung.settimeout(10)
+    try:
+        conn, _ = hung.accept()  # the plugin's Register connecting
+    finally:
+        hung.close()
+        (node.plugin_dir / "kubelet.sock").unlink()
+    with conn, KubeletStandIn(node.plugin_dir) as kubelet:
+        kubelet.wait_registered(1)
+        kubelet.wait_devices(RESOURCE, healthy(8))
+        assert "register.failed" not in plugin.log, plugin.log
+
+
+# -- a second copy of the plugin ------------------------------------------------------
+
+def test_second_instance_leaves_the_live_socket_alone(node: Node, kubelet: KubeletStandIn,
+                                                      start_plugin: StartPlugin) -> None:
+    port = free_port()
+    first = start_plugin()
+    kubelet.wait_registered(1)
+    ours = node.plugin_dir / SOCKET
+    inode = ours.stat().st_ino
+    second = start_plugin("--metrics-port", str(port), "--metrics-address", "127.0.0.1")
+    eventually(lambda: "socket.in_use" in second.log, "the second instance noticing")
+    eventually(lambda: _status(port, "/readyz")[0] == 503, "the second instance unready")
+    assert "another process serves" in get(port, "/readyz")[1]
+    assert get(port, "/healthz")[0] == 200
+    assert ours.stat().st_ino == inode, second.log
+    assert "socket.stale_removed" not in second.log
+    assert kubelet.allocate(RESOURCE, [["fuse-0"]]).container_responses
+    assert len(kubelet.registrations) == 1
+    # The first one goes away (its socket with it): the second takes over.
+    assert first.terminate() == 0
+    kubelet.wait_registered(2)
+    eventually(lambda: _status(port, "/readyz")[0] == 200, "the second instance ready")
+    kubelet.wait_devices(RESOURCE, healthy(8))
+
+
+def _status(port: int, path: str) -> tuple[int, str]:
+    try:
+        return get(port, path)
+    except OSError as err:
+        return 0, str(err)
+
+
+# -- the node changing under it --------------------------------------------------------
+
+def test_device_plugin_dir_deleted_and_recreated(node: Node, start_plugin: StartPlugin) -> None:
+    plugin = start_plugin()
+    with KubeletStandIn(node.plugin_dir) as kubelet:
+        kubelet.wait_registered(1)
+    for entry in node.plugin_dir.iterdir():
+        entry.unlink()
+    node.plugin_dir.rmdir()
+    eventually(lambda: "serve.failed" in plugin.log, "the plugin noticing the directory went")
+    node.plugin_dir.mkdir()
+    with KubeletStandIn(node.plugin_dir) as kubelet:
+        kubelet.wait_registered(1)
+        kubelet.wait_devices(RESOURCE, healthy(8))
+    assert plugin.proc.poll() is None
+    assert "Traceback" not in plugin.log
+
+
+def test_sighup_stops_cleanly_and_removes_socket_and_cdi_spec(
+        node: Node, kubelet: KubeletStandIn, start_plugin: StartPlugin) -> None:
+    cdi_dir = node.root / "cdi"
+    plugin = start_plugin("--cdi", "--cdi-dir", str(cdi_dir))
+    kubelet.wait_registered()
+    assert (cdi_dir / "github.com-fuse.json").exists()
+    plugin.proc.send_signal(signal.SIGHUP)
+    assert plugin.proc.wait(10) == 0
+    assert not (node.plugin_dir / SOCKET).exists()
+    assert not (cdi_dir / "github.com-fuse.json").exists()
+    assert "signal=SIGHUP" in plugin.log
+
+
+# -- hostile gRPC requests and log injection -----------------------------------------
+
+def test_device_id_with_a_newline_cannot_forge_a_log_line(
+        kubelet: KubeletStandIn, start_plugin: StartPlugin) -> None:
+    plugin = start_plugin()
+    kubelet.wait_registered()
+    forged = "fuse-0\nFORGED\tINFO\tallocate"
+    with pytest.raises(grpc.RpcError) as refused:
+        kubelet.allocate(RESOURCE, [[forged]])
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert plugin.terminate() == 0
+    lines = plugin.log.splitlines()
+    assert not any(line.startswith("FORGED") for line in lines), plugin.log
+    assert sum("allocate.refused" in line for line in lines) == 1
+
+
+def test_huge_allocate_gets_a_status(kubelet: KubeletStandIn,
+                                     start_plugin: StartPlugin) -> None:
+    start_plugin(slots=8)
+    kubelet.wait_registered()
+    request = api.AllocateRequest(container_requests=[
+        api.ContainerAllocateRequest(devices_ids=[f"fuse-{i}" for i in range(100_000)])])
+    with pytest.raises(grpc.RpcError) as refused:
+        kubelet.stub(RESOURCE).Allocate(request, timeout=10)
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert str(refused.value.details()).endswith("fuse-17 and 99982 more")
+    assert kubelet.allocate(RESOURCE, [["fuse-1"]]).container_responses
+
+
+# -- the metrics port under abuse -----------------------------------------------------
+
+@pytest.fixture
+def metrics(start_plugin: StartPlugin) -> tuple[PluginProcess, int]:
+    port = free_port()
+    process = start_plugin("--metrics-port", str(port), "--metrics-address", "127.0.0.1")
+    eventually(lambda: _status(port, "/healthz")[0] == 200, "the metrics port answering")
+    return process, port
+
+
+def _closed_by_server(conn: socket.socket) -> bool:
+    conn.settimeout(30)
+    try:
+        return conn.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_and_half_sent_connections_are_closed(metrics: tuple[PluginProcess, int]) -> None:
+    _, port = metrics
+    idle = socket.create_connection(("127.0.0.1", port))
+    half = socket.create_connection(("127.0.0.1", port))
+    half.sendall(b"GET /metrics")  # no version, no line end: the old server waited for ever
+    try:
+        assert _closed_by_server(idle)
+        assert _closed_by_server(half)
+    finally:
+        idle.close()
+        half.close()
+    assert _status(port, "/healthz")[0] == 200
+
+
+def test_connections_over_the_cap_are_closed_at_once(
+        metrics: tuple[PluginProcess, int]) -> None:
+    process, port = metrics
+    threads_before = len(os.listdir(f"/proc/{process.proc.pid}/task"))
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(64)]
+    try:
+        closed = [conn for conn in held[32:] if _closed_by_server(conn)]
+        assert len(closed) == 32
+        threads = len(os.listdir(f"/proc/{process.proc.pid}/task"))
+        assert threads <= threads_before + 16
+    finally:
+        for conn in held:
+            conn.close()
+    eventually(lambda: _status(port, "/healthz")[0] == 200, "probes answered again")
+
+
+def test_metrics_on_ipv6_loopback(start_plugin: StartPlugin) -> None:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    port = free_port()
+    process = start_plugin("--metrics-port", str(port), "--metrics-address", "::1")
+
+    def answers() -> bool:
+        try:
+            with socket.create_connection(("::1", port), timeout=5) as conn:
+                conn.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+                return conn.recv(64).startswith(b"HTTP/1.0 200")
+        except OSError:
+            return False
+
+    eventually(answers, "the IPv6 metrics port answering")
+    assert "Traceback" not in process.log
