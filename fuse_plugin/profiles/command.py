@@ -96,11 +96,17 @@ def _lint(paths: list[Path], out: TextIO) -> int:
     failed = False
     for path in paths:
         try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as err:
-            raise Failure(f"cannot read {path}: {getattr(err, 'strerror', None) or err}",
-                          EXIT_USAGE) from None
-        errors = lint.seccomp_text(text) if path.suffix == ".json" else lint.apparmor(text)
+            data = files.read_regular(path)
+        except files.NotReadable as err:
+            raise Failure(f"cannot read {path}: {err}", EXIT_USAGE) from None
+        except OSError as err:
+            raise Failure(f"cannot read {path}: {err.strerror or err}", EXIT_USAGE) from None
+        try:
+            text = data.decode()
+        except UnicodeDecodeError as err:
+            errors = [f"not UTF-8 text (byte {err.start})"]
+        else:
+            errors = lint.seccomp_text(text) if path.suffix == ".json" else lint.apparmor(text)
         for error in errors:
             out.write(f"{path}: {error}\n")
         if not errors:

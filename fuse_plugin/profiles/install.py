@@ -171,6 +171,8 @@ class Installer:
         for name, data in sources:
             kind = "seccomp" if name.endswith(".json") else "apparmor"
             try:
+                if isinstance(data, Rejected):
+                    raise data
                 if kind == "seccomp":
                     changed = self._install_seccomp(name, data)
                 elif parser is None:
@@ -181,10 +183,11 @@ class Installer:
                     continue
                 else:
                     changed = self._install_apparmor(name, data, parser, has_apparmor)
-            except Rejected as err:
-                report.rejected[name] = str(err)
+            except Exception as err:  # one file's trouble must never stop the others
+                reason = str(err) if isinstance(err, Rejected) else _unforeseen(err)
+                report.rejected[name] = reason
                 logs.event(self.log, "profile_rejected", logging.ERROR, kind=kind, profile=name,
-                           reason=str(err), kept="previous version (if any)")
+                           reason=reason, kept="previous version (if any)")
                 continue
             (report.installed if changed else report.unchanged).append(name)
         return self._finish(report)
@@ -211,7 +214,7 @@ class Installer:
         return shutil.which(self.paths.parser) or shutil.which(self.paths.parser,
                                                                  path="/usr/sbin:/sbin")
 
-    def _read_sources(self) -> list[tuple[str, bytes]]:
+    def _read_sources(self) -> list[tuple[str, bytes | Rejected]]:
         directory = snapshot_dir(self.paths.source)
         try:
             return _read_dir(directory)
@@ -335,10 +338,31 @@ class _Wake(FileSystemEventHandler):
             self.changed.set()
 
 
-def _read_dir(directory: Path) -> list[tuple[str, bytes]]:
-    return [(entry.name, (directory / entry.name).read_bytes())
-            for entry in sorted(os.scandir(directory), key=lambda e: e.name)
-            if not entry.name.startswith(".") and entry.is_file()]
+def _read_dir(directory: Path) -> list[tuple[str, bytes | Rejected]]:
+    """Each visible file's bytes, or why it cannot be read (the others are still read).
+
+    FileNotFoundError goes to the caller: in a ConfigMap volume it means the kubelet
+    removed this snapshot while we read it.
+    """
+    found: list[tuple[str, bytes | Rejected]] = []
+    for name in sorted(entry.name for entry in os.scandir(directory)):
+        if name.startswith("."):
+            continue
+        try:
+            found.append((name, files.read_regular(directory / name)))
+        except files.NotReadable as err:
+            found.append((name, Rejected(f"cannot read: {err}")))
+        except FileNotFoundError:
+            raise
+        except OSError as err:
+            found.append((name, Rejected(f"cannot read: {err.strerror or err}")))
+    return found
+
+
+def _unforeseen(err: Exception) -> str:
+    """A one-line reason for an error no check foresaw (a bug, but one file's only)."""
+    text = " ".join(str(err).split())
+    return f"could not be checked: {type(err).__name__}: {text[:200]}"
 
 
 def _check_name(name: str) -> None:

@@ -35,6 +35,15 @@ ARCHITECTURES = frozenset({
 })
 # Keys of Docker's profile format that containerd drops without a word.
 DOCKER_ONLY = ("includes", "excludes", "archMap", "comment", "name")
+RULE_KEYS_DOCKER = ("includes", "excludes", "name")
+# The OCI LinuxSeccomp struct, its rules and their argument filters. containerd decodes a
+# Localhost profile into it and drops any other key silently.
+OCI_KEYS = frozenset({"defaultAction", "defaultErrnoRet", "architectures", "flags",
+                      "listenerPath", "listenerMetadata", "syscalls"})
+RULE_KEYS = frozenset({"names", "action", "errnoRet", "args"})
+ARG_KEYS = frozenset({"index", "value", "valueTwo", "op"})
+MAX_ARG_INDEX = 5  # system calls take at most six arguments
+SHOW_MAX = 60
 FUSE_FSTYPE = re.compile(r"^fuse(\.|$)")
 # mount(2) operations on an existing mount whose other flags the kernel drops before
 # AppArmor sees them: binds, moves and propagation changes.
@@ -43,6 +52,10 @@ MOUNT_COMMANDS = frozenset({
     *(f"{prefix}{kind}" for prefix in ("", "r", "make-", "make-r")
       for kind in ("private", "shared", "slave", "unbindable")),
 })
+
+# Real rules are short; the regular expressions below would take minutes over a
+# hostile megabyte-long line (their cost grows with the square of its length).
+MAX_RULE = 1000
 
 _RULE_END = re.compile(r",\s*(#.*)?$")
 
@@ -59,6 +72,17 @@ def _rules(text: str) -> list[tuple[int, str]]:
     return found
 
 
+def _checkable_rules(text: str) -> tuple[list[str], list[tuple[int, str]]]:
+    """Errors for overlong rules, and the other rules (the ones worth checking further)."""
+    errors, rules = [], []
+    for number, rule in _rules(text):
+        if len(rule) > MAX_RULE:
+            errors.append(f"line {number} is longer than {MAX_RULE} characters")
+        else:
+            rules.append((number, rule))
+    return errors, rules
+
+
 def _words(rule: str) -> list[str]:
     return [word for word in re.split(r"[\s,]+", rule) if word]
 
@@ -70,8 +94,7 @@ def _fstype(rule: str) -> str | None:
 
 def apparmor(text: str) -> list[str]:
     """Errors in an AppArmor profile meant for FUSE workloads (empty list: clean)."""
-    errors: list[str] = []
-    rules = _rules(text)
+    errors, rules = _checkable_rules(text)
     profiles = [rule for _, rule in rules if rule.startswith("profile ")]
     if len(profiles) != 1:
         errors.append(f"expected exactly one 'profile NAME {{' block, found {len(profiles)}")
@@ -153,13 +176,20 @@ def seccomp_text(text: str) -> list[str]:
         profile = json.loads(text)
     except json.JSONDecodeError as err:
         return [f"not JSON: {err.msg} at line {err.lineno} column {err.colno}"]
+    except RecursionError:
+        return ["not JSON we can read: nested too deeply"]
+    except ValueError as err:  # a number of more than 4300 digits
+        return [f"not JSON we can read: {str(err).split(':', 1)[0]}"]
     return seccomp_profile(profile)
 
 
 def seccomp_profile(profile: Any) -> list[str]:
-    """Errors in a seccomp profile in OCI ``LinuxSeccomp`` form (empty list: clean)."""
+    """Errors in a seccomp profile in OCI ``LinuxSeccomp`` form (empty list: clean).
+
+    Any JSON value is fine as input: wrong types are findings, never exceptions.
+    """
     if not isinstance(profile, dict):
-        return ["the profile must be a JSON object"]
+        return [f"the profile must be a JSON object, not {_kind(profile)}"]
     errors = _top_level_errors(profile)
     entries = profile.get("syscalls")
     if not isinstance(entries, list):
@@ -169,42 +199,117 @@ def seccomp_profile(profile: Any) -> list[str]:
     for index, entry in enumerate(entries):
         where = f"syscalls[{index}]"
         if not isinstance(entry, dict):
-            errors.append(f"{where} is not an object")
+            errors.append(f"{where} is not an object but {_kind(entry)}")
             continue
-        errors += _entry_errors(where, entry, known)
-        names = entry.get("names")
-        if isinstance(names, list):
-            args = json.dumps(entry.get("args") or [], sort_keys=True)
-            for name, count in Counter(map(str, names)).items():
-                if count > 1:
-                    errors.append(f"{where}: {name!r} listed {count} times")
-                seen[(name, args)] += 1
+        shape = _rule_shape(where, entry)
+        errors += shape or _rule_errors(where, entry, known)
+        if shape:
+            continue
+        args = json.dumps(entry.get("args") or [], sort_keys=True)
+        names: list[str] = entry["names"]
+        for name, count in Counter(names).items():
+            if count > 1:
+                errors.append(f"{where}: {_show(name)} listed {count} times")
+            seen[(name, args)] += 1
     for (name, args), count in sorted(seen.items()):
         if count > 1:
             what = "" if args == "[]" else f" with the same arguments {args}"
-            errors.append(f"{name!r} has {count} rules{what}: duplicated")
+            errors.append(f"{_show(name)} has {count} rules{what}: duplicated")
+    return errors
+
+
+def seccomp_shape(profile: Any) -> list[str]:
+    """Only the errors that make ``profile`` something other than an OCI seccomp profile
+    (wrong types, missing parts): what the runtime could not read or would misread."""
+    if not isinstance(profile, dict):
+        return [f"the profile must be a JSON object, not {_kind(profile)}"]
+    errors = []
+    if not isinstance(profile.get("defaultAction"), str):
+        errors.append(f"defaultAction is {_kind(profile.get('defaultAction'))}, not a string")
+    entries = profile.get("syscalls", [])
+    if not isinstance(entries, list):
+        return [*errors, "syscalls must be a list"]
+    for index, entry in enumerate(entries):
+        where = f"syscalls[{index}]"
+        if not isinstance(entry, dict):
+            errors.append(f"{where} is not an object but {_kind(entry)}")
+        else:
+            errors += _rule_shape(where, entry)
     return errors
 
 
 def _top_level_errors(profile: dict[str, Any]) -> list[str]:
     errors = []
     default = profile.get("defaultAction")
-    if default not in ACTIONS:
-        errors.append(f"defaultAction {default!r} is not a seccomp action")
+    if "defaultAction" not in profile:
+        errors.append("defaultAction is missing")
+    elif not isinstance(default, str) or default not in ACTIONS:
+        errors.append(f"defaultAction {_show(default)} is not a seccomp action")
     elif default in ("SCMP_ACT_ALLOW", "SCMP_ACT_LOG"):
         errors.append(f"defaultAction {default} allows every system call not listed")
+    if "defaultErrnoRet" in profile and not _is_uint(profile["defaultErrnoRet"]):
+        errors.append("defaultErrnoRet must be a non-negative integer")
     errors += [f"top-level {key!r} is Docker's format; containerd ignores it"
                for key in DOCKER_ONLY if key in profile]
+    errors += [f"unknown top-level key {_show(key)}: not in the OCI seccomp format, so "
+               "containerd ignores it" for key in profile
+               if key not in OCI_KEYS and key not in DOCKER_ONLY]
     arches = profile.get("architectures")
-    if not isinstance(arches, list) or not arches:
-        errors.append("architectures must be a non-empty list")
+    if not isinstance(arches, list) or not arches \
+            or not all(isinstance(arch, str) for arch in arches):
+        errors.append("architectures must be a non-empty list of strings")
     else:
-        errors += [f"unknown architecture {arch!r}" for arch in arches
+        errors += [f"unknown architecture {_show(arch)}" for arch in arches
                    if arch not in ARCHITECTURES]
     return errors
 
 
-def _entry_errors(where: str, entry: dict[str, Any], known: frozenset[str]) -> list[str]:
+def _rule_shape(where: str, entry: dict[str, Any]) -> list[str]:
+    """Type errors in one ``syscalls`` entry, and keys containerd would drop silently (a
+    misspelt ``args`` makes a conditional rule unconditional)."""
+    errors = [f"{where}: unknown key {_show(key)}: containerd ignores it" for key in entry
+              if key not in RULE_KEYS and key not in RULE_KEYS_DOCKER]
+    names = entry.get("names")
+    if not isinstance(names, list) or not names \
+            or not all(isinstance(name, str) for name in names):
+        errors.append(f"{where}: names must be a non-empty list of strings, not "
+                      f"{_show(names)}")
+    action = entry.get("action")
+    if not isinstance(action, str) or action not in ACTIONS:
+        errors.append(f"{where}: action {_show(action)} is not a seccomp action")
+    if "errnoRet" in entry and not _is_uint(entry["errnoRet"]):
+        errors.append(f"{where}: errnoRet must be a non-negative integer")
+    args = entry.get("args")
+    if args is None:
+        return errors
+    if not isinstance(args, list):
+        return [*errors, f"{where}: args must be a list of argument filters, not "
+                         f"{_kind(args)}"]
+    for number, arg in enumerate(args):
+        errors += _arg_shape(f"{where}.args[{number}]", arg)
+    return errors
+
+
+def _arg_shape(where: str, arg: Any) -> list[str]:
+    if not isinstance(arg, dict):
+        return [f"{where} is not an object but {_kind(arg)}"]
+    errors = [f"{where}: unknown key {_show(key)}: containerd ignores it" for key in arg
+              if key not in ARG_KEYS]
+    index: Any = arg.get("index")
+    if not _is_uint(index) or index > MAX_ARG_INDEX:
+        errors.append(f"{where}: index must be an integer from 0 to {MAX_ARG_INDEX}, not "
+                      f"{_show(index)}")
+    if not isinstance(arg.get("op"), str) or arg["op"] not in OPERATORS:
+        errors.append(f"{where}: op {_show(arg.get('op'))} is not a seccomp comparison")
+    for key in ("value", "valueTwo"):
+        if (key == "value" or key in arg) and not _is_uint(arg.get(key)):
+            errors.append(f"{where}: {key} must be a non-negative integer (64 bits), not "
+                          f"{_show(arg.get(key))}")
+    return errors
+
+
+def _rule_errors(where: str, entry: dict[str, Any], known: frozenset[str]) -> list[str]:
+    """What is wrong with a well-typed entry."""
     errors = []
     for key in ("includes", "excludes"):
         if key in entry:
@@ -212,16 +317,31 @@ def _entry_errors(where: str, entry: dict[str, Any], known: frozenset[str]) -> l
                           "the rule would apply unconditionally")
     if "name" in entry:
         errors.append(f"{where}: 'name' is the old single-name form; use 'names'")
-    names = entry.get("names")
-    if not isinstance(names, list) or not names:
-        errors.append(f"{where}: names must be a non-empty list")
-    else:
-        errors += [f"{where}: unknown system call {name!r} (runc would skip it silently)"
-                   for name in names if name not in known]
-    if entry.get("action") not in ACTIONS:
-        errors.append(f"{where}: action {entry.get('action')!r} is not a seccomp action")
-    for arg in entry.get("args") or []:
-        if not isinstance(arg, dict) or arg.get("op") not in OPERATORS \
-                or not isinstance(arg.get("index"), int) or not 0 <= arg["index"] <= 5:
-            errors.append(f"{where}: bad argument filter {arg!r}")
+    errors += [f"{where}: unknown system call {_show(name)} (runc would skip it silently)"
+               for name in entry["names"] if name not in known]
     return errors
+
+
+def _is_uint(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2 ** 64
+
+
+def _kind(value: Any) -> str:
+    """What a JSON value is, in words (never its contents: they may be huge or deep)."""
+    if value is None:
+        return "null"
+    for types, word in ((bool, "true/false"), ((int, float), "a number"), (str, "a string"),
+                        (list, "a list"), (dict, "an object")):
+        if isinstance(value, types):
+            return word
+    return type(value).__name__
+
+
+def _show(value: Any) -> str:
+    """A JSON value for a one-line message: short scalars as they are, else their kind."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= SHOW_MAX else repr(value[:SHOW_MAX]) + "..."
+    if isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and len(str(value)) <= SHOW_MAX:
+        return str(value)
+    return _kind(value)

@@ -1,0 +1,237 @@
+"""Hostile files for ``profile lint``, ``install-profiles`` and ``profile --output``: each
+ends in a one-line error naming the file and a non-zero exit, never a traceback, a hang
+(pytest-timeout and a subprocess timeout) or a half-written file. The real command runs
+in a subprocess, as an operator or the DaemonSet runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fuse_plugin import logs, profiles
+from fuse_plugin.profiles import lint
+from fuse_plugin.profiles.install import Installer, NodePaths
+from tests.unit.test_profiles_install import (
+    DEADLINE,
+    REAL_PARSER,
+    ConfigMapVolume,
+    Lines,
+    all_profiles,
+    needs_parser,
+)
+
+RUN_TIMEOUT = 60
+S3FS = "fuse-device-plugin-s3fs"
+SSHFS = "fuse-device-plugin-sshfs"
+DEEP = 100_000
+
+
+def seccomp_with(**changes: object) -> bytes:
+    """The s3fs seccomp profile with top-level keys replaced (None: removed)."""
+    profile = json.loads(profiles.render_seccomp("s3fs"))
+    for key, value in changes.items():
+        if value is None:
+            profile.pop(key, None)
+        else:
+            profile[key] = value
+    return json.dumps(profile).encode()
+
+
+def seccomp_rule(rule: object) -> bytes:
+    """The s3fs seccomp profile with one more syscalls entry."""
+    profile = json.loads(profiles.render_seccomp("s3fs"))
+    profile["syscalls"].append(rule)
+    return json.dumps(profile).encode()
+
+
+# Malformed seccomp files: (id, bytes, what the one line must say).
+SECCOMP_CORPUS = [
+    ("deep-array", b"[" * DEEP + b"]" * DEEP, "nested too deeply"),
+    ("deep-object", b'{"a":' * DEEP + b"1" + b"}" * DEEP, "nested too deeply"),
+    ("deep-in-args", seccomp_rule({"names": ["read"], "action": "SCMP_ACT_ALLOW",
+                                   "args": [{"index": 0, "op": "SCMP_CMP_EQ",
+                                             "value": [[[[[[[[[[1]]]]]]]]]]}]}),
+     "value must be a non-negative integer"),
+    ("huge-number", b"1" * 5000, "not JSON"),
+    ("not-utf8", b'{"defaultAction": "\xff\xfe"}', "not UTF-8"),
+    ("empty", b"", "not JSON"),
+    ("top-level-list", b"[]", "must be a JSON object"),
+    ("default-action-list", b'{"defaultAction": []}', "defaultAction"),
+    ("default-action-object", seccomp_with(defaultAction={"a": 1}), "defaultAction"),
+    ("architectures-nested", seccomp_with(architectures=[[]]), "architectures"),
+    ("syscalls-object", seccomp_with(syscalls={}), "syscalls must be a list"),
+    ("names-object", seccomp_rule({"names": [{}], "action": "SCMP_ACT_ALLOW"}),
+     "names must be a non-empty list of strings"),
+    ("names-string", seccomp_rule({"names": "mount umount2", "action": "SCMP_ACT_ALLOW"}),
+     "names must be a non-empty list of strings"),
+    ("action-list", seccomp_rule({"names": ["read"], "action": []}), "action"),
+    ("args-int", seccomp_rule({"names": ["read"], "action": "SCMP_ACT_ALLOW", "args": 5}),
+     "args must be a list"),
+    ("arg-op-list", seccomp_rule({"names": ["read"], "action": "SCMP_ACT_ALLOW",
+                                  "args": [{"index": 0, "op": [], "value": 1}]}), "op"),
+    ("arg-index-bool", seccomp_rule({"names": ["read"], "action": "SCMP_ACT_ALLOW",
+                                     "args": [{"index": True, "op": "SCMP_CMP_EQ",
+                                               "value": 1}]}), "index"),
+    ("errno-string", seccomp_rule({"names": ["read"], "action": "SCMP_ACT_ERRNO",
+                                   "errnoRet": "1"}), "errnoRet"),
+    ("arg-typo", seccomp_rule({"names": ["read"], "action": "SCMP_ACT_ALLOW",
+                               "arg": [{"index": 0, "op": "SCMP_CMP_EQ", "value": 1}]}),
+     "unknown key 'arg'"),
+    ("huge-name", seccomp_rule({"names": ["x" * 500_000], "action": "SCMP_ACT_ALLOW"}),
+     "unknown system call"),
+]
+
+# Malformed AppArmor files: the lint must say what is wrong, in reasonable time.
+APPARMOR_CORPUS = [
+    ("not-utf8", profiles.render_apparmor("s3fs").encode() + b"# \xff\xfe\n", "not UTF-8"),
+    ("empty", b"", "exactly one 'profile NAME {' block"),
+    ("deep-braces", b"{" * DEEP + b"}" * DEEP, "longer than"),
+    ("long-rule", b"profile fuse-device-plugin-s3fs {\n  mount " + b"options=(" * 100_000
+     + b"\n}\n", "longer than"),
+]
+
+
+def run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fuse_plugin", *argv], capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT, check=False)
+
+
+def assert_clean_failure(done: subprocess.CompletedProcess[str]) -> None:
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+# -- profile lint -------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("name", "data", "said"),
+                         [(f"{case}.json", data, said) for case, data, said in SECCOMP_CORPUS]
+                         + [(f"{case}-apparmor", data, said)
+                            for case, data, said in APPARMOR_CORPUS],
+                         ids=[case for case, _, _ in SECCOMP_CORPUS]
+                         + [f"apparmor-{case}" for case, _, _ in APPARMOR_CORPUS])
+def test_lint_says_what_is_wrong_in_lines_naming_the_file(tmp_path: Path, name: str,
+                                                          data: bytes, said: str) -> None:
+    path = tmp_path / name
+    path.write_bytes(data)
+    done = run("profile", "lint", str(path))
+    assert_clean_failure(done)
+    lines = (done.stdout + done.stderr).splitlines()
+    assert lines
+    assert all(str(path) in line and len(line) < 400 for line in lines), lines
+    assert any(said in line for line in lines), lines
+
+
+# -- install-profiles --once --------------------------------------------------------------
+
+def install_once(source: Path, dest: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return run("install-profiles", "--once", "--source", str(source),
+               "--apparmor-dir", str(dest / "apparmor.d"), "--seccomp-dir",
+               str(dest / "seccomp"), "--sys-dir", str(dest / "sys"),
+               "--apparmor-parser", str(REAL_PARSER), *extra)
+
+
+def installed(dest: Path) -> dict[str, bytes]:
+    found = {}
+    for directory in (dest / "apparmor.d", dest / "seccomp"):
+        if directory.is_dir():
+            found.update({path.name: path.read_bytes() for path in directory.iterdir()})
+    return found
+
+
+@needs_parser
+@pytest.mark.parametrize(("name", "data", "said"),
+                         [("s3fs.json", data, said) for _, data, said in SECCOMP_CORPUS]
+                         + [(S3FS, data, said) for _, data, said in APPARMOR_CORPUS],
+                         ids=[case for case, _, _ in SECCOMP_CORPUS]
+                         + [f"apparmor-{case}" for case, _, _ in APPARMOR_CORPUS])
+def test_install_once_refuses_the_bad_file_and_installs_the_rest(
+        tmp_path: Path, name: str, data: bytes, said: str) -> None:
+    source, dest = tmp_path / "source", tmp_path / "node"
+    source.mkdir()
+    good = all_profiles()
+    for file_name, text in good.items():
+        (source / file_name).write_bytes(text)
+    assert install_once(source, dest).returncode == 0
+    before = installed(dest)
+    assert before == good
+
+    # The bad file, and beside it a changed good one that must still go in.
+    narrowed = profiles.render_apparmor("sshfs", mountpoint="/mnt/remote").encode()
+    (source / SSHFS).write_bytes(narrowed)
+    (source / name).write_bytes(data)
+    done = install_once(source, dest)
+    assert_clean_failure(done)
+    assert done.returncode == 1
+    rejected = [line for line in done.stderr.splitlines() if "profile_rejected" in line]
+    assert len(rejected) == 1, done.stderr
+    assert name in rejected[0]
+    assert said in rejected[0]
+    assert len(rejected[0]) < 400
+    assert installed(dest) == {**before, SSHFS: narrowed}, "the old profile stays"
+    assert not [p for p in os.listdir(dest / "seccomp") if p.startswith(".")]
+
+
+# -- install-profiles, watching -----------------------------------------------------------
+
+@needs_parser
+def test_watching_installer_outlives_every_bad_file(tmp_path: Path) -> None:
+    configmap = ConfigMapVolume(tmp_path / "configmap")
+    configmap.publish(all_profiles())
+    dest = tmp_path / "node"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fuse_plugin", "install-profiles",
+         "--source", str(configmap.root), "--apparmor-dir", str(dest / "apparmor.d"),
+         "--seccomp-dir", str(dest / "seccomp"), "--sys-dir", str(dest / "sys"),
+         "--apparmor-parser", str(REAL_PARSER)],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        lines = Lines(proc.stderr)
+        lines.wait_for("profiles_synced", "installed=8")
+        good = installed(dest)
+        for name, corpus in (("s3fs.json", SECCOMP_CORPUS), (S3FS, APPARMOR_CORPUS)):
+            for case, data, said in corpus:
+                configmap.publish({**all_profiles(), name: data,
+                                   "generic.json": case.encode()})  # a change each time
+                line = lines.wait_for("profile_rejected", f"profile={name}")
+                assert said in line, (case, line)
+        narrowed = profiles.render_apparmor("sshfs", mountpoint="/mnt/remote").encode()
+        configmap.publish(all_profiles(**{SSHFS: narrowed.decode()}))
+        lines.wait_for("profile_installed", f"profile={SSHFS}")
+        assert installed(dest) == {**good, SSHFS: narrowed}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(DEADLINE) == 0
+        assert not any("Traceback" in line for line in lines.seen), "".join(lines.seen)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_check_that_breaks_rejects_only_its_file(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The net under every check: a bug in one (here a lint that raises) costs one file."""
+    configmap = ConfigMapVolume(tmp_path / "configmap")
+    configmap.publish({name: data for name, data in all_profiles().items()
+                       if name.endswith(".json")})
+    paths = NodePaths.under_sys(tmp_path / "sys", source=configmap.root,
+                                apparmor_dir=tmp_path / "apparmor.d",
+                                seccomp_dir=tmp_path / "seccomp")
+    real = lint.seccomp_text
+
+    def broken(text: str) -> list[str]:
+        if '"chroot"' in text:  # only lxcfs.json allows chroot
+            raise TypeError("unhashable type: 'list'")
+        return real(text)
+
+    monkeypatch.setattr(lint, "seccomp_text", broken)
+    report = Installer(paths, logs.setup("text", "info")).sync()
+    assert report.rejected == {
+        "lxcfs.json": "could not be checked: TypeError: unhashable type: 'list'"}
+    assert sorted(report.installed) == ["generic.json", "s3fs.json", "sshfs.json"]
