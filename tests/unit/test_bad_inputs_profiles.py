@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fuse_plugin import logs, profiles
+from fuse_plugin import files, logs, profiles
 from fuse_plugin.profiles import lint
 from fuse_plugin.profiles.install import Installer, NodePaths
 from tests.unit.test_profiles_install import (
@@ -128,6 +128,33 @@ def test_lint_says_what_is_wrong_in_lines_naming_the_file(tmp_path: Path, name: 
     assert any(said in line for line in lines), lines
 
 
+SPECIAL_FILES = ["fifo", "dev-zero-symlink", "directory", "oversized"]
+
+
+def make_special(path: Path, kind: str) -> None:
+    """A path where a profile is expected that a plain read would hang on, or never end."""
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev-zero-symlink":
+        path.symlink_to("/dev/zero")
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.write_bytes(b" " * (files.READ_LIMIT + 1))
+
+
+@pytest.mark.parametrize("kind", SPECIAL_FILES)
+def test_lint_refuses_what_is_not_a_regular_file(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "s3fs.json"
+    make_special(path, kind)
+    done = run("profile", "lint", str(path))
+    assert_clean_failure(done)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert f"cannot read {path}: " in done.stderr
+    assert ("not a regular file" in done.stderr) != (kind == "oversized")
+
+
 # -- install-profiles --once --------------------------------------------------------------
 
 def install_once(source: Path, dest: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -235,3 +262,21 @@ def test_a_check_that_breaks_rejects_only_its_file(tmp_path: Path,
     assert report.rejected == {
         "lxcfs.json": "could not be checked: TypeError: unhashable type: 'list'"}
     assert sorted(report.installed) == ["generic.json", "s3fs.json", "sshfs.json"]
+
+
+@needs_parser
+def test_install_once_refuses_special_files_beside_good_ones(tmp_path: Path) -> None:
+    source, dest = tmp_path / "source", tmp_path / "node"
+    source.mkdir()
+    good = all_profiles()
+    for file_name, text in good.items():
+        (source / file_name).write_bytes(text)
+    names = [f"special-{kind}.json" for kind in SPECIAL_FILES]
+    for name, kind in zip(names, SPECIAL_FILES, strict=True):
+        make_special(source / name, kind)
+    done = install_once(source, dest)
+    assert_clean_failure(done)
+    assert done.returncode == 1
+    rejected = [line for line in done.stderr.splitlines() if "profile_rejected" in line]
+    assert sorted(line.split("profile=")[1].split()[0] for line in rejected) == sorted(names)
+    assert installed(dest) == good
