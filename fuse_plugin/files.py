@@ -37,14 +37,28 @@ def staged(path: Path, data: bytes, mode: int = 0o644) -> Path:
 
 
 def commit(temp: Path, path: Path) -> None:
-    """Atomically replace ``path`` with ``temp`` and make the rename durable."""
+    """Atomically replace ``path`` with ``temp`` and make the rename durable.
+
+    The rename is the write: once it is done, a failing directory sync is not reported.
+    """
     os.replace(temp, path)
     with contextlib.suppress(OSError):
-        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or unlink in ``directory`` durable, not only the file's bytes.
+
+    A directory that is gone has nothing left to sync.
+    """
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def discard(temp: Path) -> None:
@@ -53,8 +67,13 @@ def discard(temp: Path) -> None:
 
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Temp file + rename in the same directory."""
-    commit(staged(path, data, mode), path)
+    """Temp file + rename in the same directory; on any failure no temp file is left."""
+    temp = staged(path, data, mode)
+    try:
+        commit(temp, path)
+    except BaseException:
+        discard(temp)
+        raise
 
 
 def read_or_none(path: Path) -> bytes | None:

@@ -8,7 +8,9 @@ can check on their own.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
@@ -83,8 +85,16 @@ def profile(args: argparse.Namespace, out: TextIO) -> int:
     if not output.parent.is_dir():
         raise Failure(f"--output {output}: directory {output.parent} does not exist",
                       EXIT_USAGE)
-    if output.is_dir():
-        raise Failure(f"--output {output} is a directory", EXIT_USAGE)
+    try:
+        mode: int | None = os.lstat(output).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as err:
+        raise Failure(f"--output {output}: {err.strerror or err}", EXIT_USAGE) from None
+    # The rename would replace a device node, FIFO or symlink itself (once, /dev/full).
+    if mode is not None and not stat.S_ISREG(mode):
+        raise Failure(f"--output {output} is {files.describe(mode)}; only a regular file "
+                      "is replaced", EXIT_USAGE)
     try:
         files.write_atomic(output, text.encode())
     except OSError as err:

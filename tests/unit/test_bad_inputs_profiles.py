@@ -6,11 +6,15 @@ in a subprocess, as an operator or the DaemonSet runs it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
+import socket
+import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -280,3 +284,95 @@ def test_install_once_refuses_special_files_beside_good_ones(tmp_path: Path) -> 
     rejected = [line for line in done.stderr.splitlines() if "profile_rejected" in line]
     assert sorted(line.split("profile=")[1].split()[0] for line in rejected) == sorted(names)
     assert installed(dest) == good
+
+
+# -- profile --output and the atomic writer -----------------------------------------------
+
+OUTPUT_TARGETS = ["char-device", "fifo", "symlink-to-file", "dangling-symlink", "socket"]
+
+
+def make_target(path: Path, kind: str) -> None:
+    if kind == "char-device":
+        if os.geteuid() != 0:
+            pytest.skip("needs root: mknod")
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 7))  # what /dev/full is
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "symlink-to-file":
+        (path.parent / "elsewhere").write_text("keep me\n")
+        path.symlink_to("elsewhere")
+    elif kind == "dangling-symlink":
+        path.symlink_to("nowhere")
+    else:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(str(path))
+
+
+@pytest.mark.parametrize("kind", OUTPUT_TARGETS)
+def test_output_refuses_to_replace_anything_but_a_regular_file(tmp_path: Path,
+                                                                kind: str) -> None:
+    target = tmp_path / "profile.json"
+    make_target(target, kind)
+    before = os.lstat(target)
+    done = run("profile", "seccomp", "--preset", "s3fs", "--output", str(target))
+    assert_clean_failure(done)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert f"--output {target} " in done.stderr
+    after = os.lstat(target)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+    if kind == "symlink-to-file":
+        assert (tmp_path / "elsewhere").read_text() == "keep me\n"
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+def test_output_replaces_a_regular_file(tmp_path: Path) -> None:
+    target = tmp_path / "s3fs.json"
+    target.write_text("old")
+    done = run("profile", "seccomp", "--preset", "s3fs", "--output", str(target))
+    assert done.returncode == 0, done.stderr
+    assert target.read_text() == profiles.render_seccomp("s3fs")
+
+
+def test_writer_leaves_nothing_when_the_rename_fails(tmp_path: Path) -> None:
+    target = tmp_path / "in-the-way"
+    (target / "child").mkdir(parents=True)  # rename(2) cannot replace a non-empty dir
+    with pytest.raises(IsADirectoryError):
+        files.write_atomic(target, b"data")
+    assert sorted(os.listdir(tmp_path)) == ["in-the-way"]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 64 KiB filesystem: writes beyond that fail with ENOSPC in the kernel."""
+    mountpoint = tmp_path / "small"
+    mountpoint.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+                           str(mountpoint)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root): {done.stderr.strip()}")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", str(mountpoint)], check=True)
+
+
+def test_writer_leaves_nothing_on_a_full_filesystem(small_tmpfs: Path) -> None:
+    target = small_tmpfs / "s3fs.json"
+    files.write_atomic(target, b"old profile")
+    with pytest.raises(OSError, match="No space left") as err:
+        files.write_atomic(target, b"x" * (1 << 20))
+    assert err.value.errno == errno.ENOSPC
+    assert os.listdir(small_tmpfs) == ["s3fs.json"]
+    assert target.read_bytes() == b"old profile"
+
+
+def test_output_on_a_full_filesystem_is_one_line_and_leaves_nothing(small_tmpfs: Path
+                                                                    ) -> None:
+    (small_tmpfs / "filler").write_bytes(b"x" * (60 << 10))
+    target = small_tmpfs / "lxcfs.json"
+    done = run("profile", "seccomp", "--preset", "lxcfs", "--output", str(target))
+    assert_clean_failure(done)
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "No space left on device" in done.stderr
+    assert os.listdir(small_tmpfs) == ["filler"]
