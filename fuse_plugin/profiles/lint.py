@@ -188,23 +188,22 @@ def seccomp_profile(profile: Any) -> list[str]:
 
     Any JSON value is fine as input: wrong types are findings, never exceptions.
     """
+    errors = seccomp_shape(profile)
     if not isinstance(profile, dict):
-        return [f"the profile must be a JSON object, not {_kind(profile)}"]
-    errors = _top_level_errors(profile)
+        return errors
+    errors += _top_level_errors(profile)
     entries = profile.get("syscalls")
+    if entries is None:
+        errors.append("syscalls must be a list")
     if not isinstance(entries, list):
-        return [*errors, "syscalls must be a list"]
+        return errors
     known = seccomp.known_syscalls()
     seen: Counter[tuple[str, str]] = Counter()
     for index, entry in enumerate(entries):
         where = f"syscalls[{index}]"
-        if not isinstance(entry, dict):
-            errors.append(f"{where} is not an object but {_kind(entry)}")
-            continue
-        shape = _rule_shape(where, entry)
-        errors += shape or _rule_errors(where, entry, known)
-        if shape:
-            continue
+        if not isinstance(entry, dict) or _rule_shape(where, entry):
+            continue  # reported by seccomp_shape
+        errors += _ignored_keys(where, entry) + _rule_errors(where, entry, known)
         args = json.dumps(entry.get("args") or [], sort_keys=True)
         names: list[str] = entry["names"]
         for name, count in Counter(names).items():
@@ -219,16 +218,19 @@ def seccomp_profile(profile: Any) -> list[str]:
 
 
 def seccomp_shape(profile: Any) -> list[str]:
-    """Only the errors that make ``profile`` something other than an OCI seccomp profile
-    (wrong types, missing parts): what the runtime could not read or would misread."""
+    """Only the type errors: what makes ``profile`` something the runtime cannot decode
+    into an OCI seccomp profile (a string where a list belongs, say)."""
     if not isinstance(profile, dict):
         return [f"the profile must be a JSON object, not {_kind(profile)}"]
     errors = []
     if not isinstance(profile.get("defaultAction"), str):
-        errors.append(f"defaultAction is {_kind(profile.get('defaultAction'))}, not a string")
+        errors.append(f"defaultAction must be a string, not {_show(profile.get('defaultAction'))}")
+    arches = profile.get("architectures", [])
+    if not isinstance(arches, list) or not all(isinstance(arch, str) for arch in arches):
+        errors.append("architectures must be a list of strings")
     entries = profile.get("syscalls", [])
     if not isinstance(entries, list):
-        return [*errors, "syscalls must be a list"]
+        return [*errors, f"syscalls must be a list, not {_kind(entries)}"]
     for index, entry in enumerate(entries):
         where = f"syscalls[{index}]"
         if not isinstance(entry, dict):
@@ -239,11 +241,10 @@ def seccomp_shape(profile: Any) -> list[str]:
 
 
 def _top_level_errors(profile: dict[str, Any]) -> list[str]:
+    """What is wrong with the top level's values (its types are seccomp_shape's)."""
     errors = []
     default = profile.get("defaultAction")
-    if "defaultAction" not in profile:
-        errors.append("defaultAction is missing")
-    elif not isinstance(default, str) or default not in ACTIONS:
+    if isinstance(default, str) and default not in ACTIONS:
         errors.append(f"defaultAction {_show(default)} is not a seccomp action")
     elif default in ("SCMP_ACT_ALLOW", "SCMP_ACT_LOG"):
         errors.append(f"defaultAction {default} allows every system call not listed")
@@ -255,20 +256,17 @@ def _top_level_errors(profile: dict[str, Any]) -> list[str]:
                "containerd ignores it" for key in profile
                if key not in OCI_KEYS and key not in DOCKER_ONLY]
     arches = profile.get("architectures")
-    if not isinstance(arches, list) or not arches \
-            or not all(isinstance(arch, str) for arch in arches):
+    if not arches:
         errors.append("architectures must be a non-empty list of strings")
-    else:
+    elif isinstance(arches, list):
         errors += [f"unknown architecture {_show(arch)}" for arch in arches
-                   if arch not in ARCHITECTURES]
+                   if isinstance(arch, str) and arch not in ARCHITECTURES]
     return errors
 
 
 def _rule_shape(where: str, entry: dict[str, Any]) -> list[str]:
-    """Type errors in one ``syscalls`` entry, and keys containerd would drop silently (a
-    misspelt ``args`` makes a conditional rule unconditional)."""
-    errors = [f"{where}: unknown key {_show(key)}: containerd ignores it" for key in entry
-              if key not in RULE_KEYS and key not in RULE_KEYS_DOCKER]
+    """Type errors in one ``syscalls`` entry."""
+    errors = []
     names = entry.get("names")
     if not isinstance(names, list) or not names \
             or not all(isinstance(name, str) for name in names):
@@ -293,8 +291,7 @@ def _rule_shape(where: str, entry: dict[str, Any]) -> list[str]:
 def _arg_shape(where: str, arg: Any) -> list[str]:
     if not isinstance(arg, dict):
         return [f"{where} is not an object but {_kind(arg)}"]
-    errors = [f"{where}: unknown key {_show(key)}: containerd ignores it" for key in arg
-              if key not in ARG_KEYS]
+    errors = []
     index: Any = arg.get("index")
     if not _is_uint(index) or index > MAX_ARG_INDEX:
         errors.append(f"{where}: index must be an integer from 0 to {MAX_ARG_INDEX}, not "
@@ -305,6 +302,17 @@ def _arg_shape(where: str, arg: Any) -> list[str]:
         if (key == "value" or key in arg) and not _is_uint(arg.get(key)):
             errors.append(f"{where}: {key} must be a non-negative integer (64 bits), not "
                           f"{_show(arg.get(key))}")
+    return errors
+
+
+def _ignored_keys(where: str, entry: dict[str, Any]) -> list[str]:
+    """Keys containerd drops silently: a misspelt ``args`` makes a conditional rule
+    unconditional."""
+    errors = [f"{where}: unknown key {_show(key)}: containerd ignores it" for key in entry
+              if key not in RULE_KEYS and key not in RULE_KEYS_DOCKER]
+    for number, arg in enumerate(entry.get("args") or []):
+        errors += [f"{where}.args[{number}]: unknown key {_show(key)}: containerd ignores it"
+                   for key in arg if key not in ARG_KEYS]
     return errors
 
 

@@ -14,6 +14,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import pytest
 from fuse_plugin import files, logs, profiles
 from fuse_plugin.profiles import lint
 from fuse_plugin.profiles.install import Installer, NodePaths
+from tests.unit import test_doctor as doctor_tree
 from tests.unit.test_profiles_install import (
     DEADLINE,
     REAL_PARSER,
@@ -376,3 +378,84 @@ def test_output_on_a_full_filesystem_is_one_line_and_leaves_nothing(small_tmpfs:
     assert done.stderr.count("\n") == 1, done.stderr
     assert "No space left on device" in done.stderr
     assert os.listdir(small_tmpfs) == ["filler"]
+
+
+# -- doctor -------------------------------------------------------------------------------
+
+PROC_FILESYSTEMS = "proc/filesystems"
+APPARMOR_ENABLED = "sys/module/apparmor/parameters/enabled"
+APPARMOR_LIST = "sys/kernel/security/apparmor/profiles"
+S3FS_SECCOMP = f"{doctor_tree.SECCOMP_DIR}/s3fs.json"
+NAMES_AS_STRING = json.dumps({"defaultAction": "SCMP_ACT_ERRNO",
+                              "architectures": ["SCMP_ARCH_X86_64"],
+                              "syscalls": [{"names": "mount umount2",
+                                            "action": "SCMP_ACT_ALLOW"}]}).encode()
+
+# (id, file under the node root, what to put there, the doctor line, what it must say)
+DOCTOR_CORPUS = [
+    ("seccomp-fifo", S3FS_SECCOMP, "fifo", "seccomp profiles", "a FIFO, not a regular file"),
+    ("seccomp-dev-zero", S3FS_SECCOMP, "dev-zero-symlink", "seccomp profiles",
+     "a character device, not a regular file"),
+    ("seccomp-dev-zero-bind", S3FS_SECCOMP, "dev-zero-bind", "seccomp profiles",
+     "a character device, not a regular file"),
+    ("seccomp-oversized", S3FS_SECCOMP, "oversized", "seccomp profiles", "larger than"),
+    ("seccomp-not-utf8", S3FS_SECCOMP, b'{"defaultAction": "\xff"}', "seccomp profiles",
+     "not UTF-8"),
+    ("seccomp-deep", S3FS_SECCOMP, b"[" * DEEP + b"]" * DEEP, "seccomp profiles",
+     "nested too deeply"),
+    ("seccomp-names-string", S3FS_SECCOMP, NAMES_AS_STRING, "seccomp profiles",
+     "names must be a non-empty list of strings"),
+    ("filesystems-fifo", PROC_FILESYSTEMS, "fifo", "fuse filesystem", "a FIFO"),
+    ("filesystems-dev-zero", PROC_FILESYSTEMS, "dev-zero-symlink", "fuse filesystem",
+     "a character device"),
+    ("filesystems-not-utf8", PROC_FILESYSTEMS, b"nodev\tfuse\xff\n", "fuse filesystem",
+     "not UTF-8"),
+    ("apparmor-enabled-fifo", APPARMOR_ENABLED, "fifo", "apparmor", "a FIFO"),
+    ("apparmor-enabled-not-utf8", APPARMOR_ENABLED, b"\xffY\n", "apparmor", "not UTF-8"),
+    ("apparmor-list-fifo", APPARMOR_LIST, "fifo", "apparmor profiles", "a FIFO"),
+    ("apparmor-list-dev-zero", APPARMOR_LIST, "dev-zero-symlink", "apparmor profiles",
+     "a character device"),
+]
+
+
+@pytest.fixture
+def doctor_root() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="fdp-doctor-", dir="/tmp") as name:
+        root = Path(name)
+        doctor_tree.build_static_tree(root)
+        yield root
+
+
+@pytest.mark.parametrize(("path", "bad", "line", "said"),
+                         [case[1:] for case in DOCTOR_CORPUS],
+                         ids=[case[0] for case in DOCTOR_CORPUS])
+def test_doctor_gives_one_finding_for_each_bad_file(doctor_root: Path, path: str,
+                                                     bad: str | bytes, line: str,
+                                                     said: str) -> None:
+    target = doctor_root / path
+    target.unlink()
+    bound = False
+    if isinstance(bad, bytes):
+        target.write_bytes(bad)
+    elif bad == "dev-zero-bind":
+        target.touch()
+        done = subprocess.run(["mount", "--bind", "/dev/zero", str(target)],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            pytest.skip(f"cannot bind-mount (needs root): {done.stderr.strip()}")
+        bound = True
+    else:
+        make_special(target, bad)
+    try:
+        done = run("doctor", "--root", str(doctor_root), "--output", "json")
+    finally:
+        if bound:
+            subprocess.run(["umount", str(target)], check=True)
+    assert_clean_failure(done)
+    assert done.returncode == 1
+    checks = {check["name"]: check for check in json.loads(done.stdout)["checks"]}
+    detail = checks[line]["detail"]
+    assert checks[line]["verdict"] in ("warn", "fail"), detail
+    assert said in detail
+    assert "\n" not in detail
+    assert len(detail) < 400
