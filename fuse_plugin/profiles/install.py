@@ -29,6 +29,7 @@ from pathlib import Path
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
+from watchdog.observers.api import BaseObserver
 
 from fuse_plugin import files, logs
 from fuse_plugin.profiles import apparmor, lint, validate
@@ -43,6 +44,10 @@ PARSER_TIMEOUT = 60.0
 # arrives as several events, costs one pass.
 SETTLE_QUIET = 0.1
 SETTLE_MAX = 2.0
+# The safety net under the watch: inotify loses its watch for good when the directory
+# itself goes (a remounted volume, a re-created dir). A stat of the source and its files
+# this often finds such a change, and the watch is put back.
+RECHECK_INTERVAL = 10.0
 _IGNORED_EVENTS = frozenset({"opened", "closed_no_write"})
 
 Runner = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]
@@ -136,8 +141,9 @@ def _parser_error(result: subprocess.CompletedProcess[str]) -> str:
 
 class Installer:
     def __init__(self, paths: NodePaths, log: logging.Logger,
-                 runner: Runner = run_command) -> None:
+                 runner: Runner = run_command, recheck: float = RECHECK_INTERVAL) -> None:
         self.paths = paths
+        self.recheck = recheck
         self.log = log
         self.runner = runner
         self._changed = threading.Event()
@@ -286,27 +292,53 @@ class Installer:
 
     def run(self, once: bool = False) -> int:
         """One pass (``once``: exit 1 if anything was rejected), or pass and watch until
-        :meth:`stop`; watching always ends with 0."""
+        :meth:`stop`; watching always ends with 0.
+
+        A change is seen by the watch at once, or by the re-check every ``recheck``
+        seconds (which also puts the watch back on a source directory made anew).
+        """
         if once:
             return 0 if self.sync().ok else 1
         observer = Observer()
-        observer.schedule(_Wake(self._changed), str(self.paths.source), recursive=False)
+        watched = self._watch(observer)
         observer.start()
         try:
             # The watch is up before the first pass, so no change can fall in between.
+            seen = source_fingerprint(self.paths.source)
             self.sync()
             logs.event(self.log, "watching", source=str(self.paths.source))
             while not self._stop.is_set():
-                self._changed.wait()
+                woken = self._changed.wait(self.recheck)
                 if self._stop.is_set():
                     break
-                self._settle()
-                logs.event(self.log, "source_changed", source=str(self.paths.source))
+                if woken:
+                    self._settle()
+                elif source_fingerprint(self.paths.source) == seen:
+                    continue
+                if _identity(self.paths.source) != watched:
+                    watched = self._watch(observer)
+                logs.event(self.log, "source_changed", source=str(self.paths.source),
+                           seen_by="watch" if woken else "recheck")
+                seen = source_fingerprint(self.paths.source)
                 self.sync()
         finally:
             observer.stop()
             observer.join(timeout=5)
         return 0
+
+    def _watch(self, observer: BaseObserver) -> tuple[int, int] | None:
+        """Put the one watch on the source directory as it is now; its identity, or None
+        while it is missing (the re-check tries again)."""
+        observer.unschedule_all()
+        identity = _identity(self.paths.source)
+        if identity is None:
+            return None
+        try:
+            observer.schedule(_Wake(self._changed), str(self.paths.source), recursive=False)
+        except OSError:
+            return None
+        logs.event(self.log, "watch_armed", logging.DEBUG, source=str(self.paths.source))
+        return identity
 
     def _settle(self) -> None:
         deadline = time.monotonic() + SETTLE_MAX
@@ -336,6 +368,35 @@ class _Wake(FileSystemEventHandler):
         # Our own reads of the source files show up as open/close events: not changes.
         if event.event_type not in _IGNORED_EVENTS:
             self.changed.set()
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of ``path``: a directory made anew is another one."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def source_fingerprint(source: Path) -> tuple[object, ...] | None:
+    """What changes when the source does, from stat() alone (cheap enough to poll): the
+    directory's identity, the snapshot ``..data`` points at, and each visible file's
+    inode, size and mtime. None while the source cannot be read."""
+    try:
+        directory = snapshot_dir(source)
+        entries = []
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            if entry.name.startswith("."):
+                continue
+            try:
+                st = entry.stat()
+                entries.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
+            except OSError:
+                entries.append((entry.name, 0, 0, 0))
+    except OSError:
+        return None
+    return _identity(source), str(directory), tuple(entries)
 
 
 def _read_dir(directory: Path) -> list[tuple[str, bytes | Rejected]]:

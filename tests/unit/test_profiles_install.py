@@ -383,3 +383,36 @@ def test_command_once_exit_codes(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert '"event":"profile_rejected"' in done.stderr
     assert SSHFS in done.stderr
+
+
+@needs_parser
+def test_a_recreated_source_is_found_and_watched_again(tmp_path: Path,
+                                                       log: logging.Logger) -> None:
+    """inotify's watch dies with the directory: the periodic re-check finds the new one,
+    installs what it holds and puts the watch back on it."""
+    node = Node(tmp_path, kernel_apparmor=False)
+    node.configmap.publish(all_profiles())
+    installer = Installer(node.paths, log, recheck=0.05)
+    thread = threading.Thread(target=installer.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(installer, lambda report: report.ok)
+        shutil.rmtree(node.configmap.root)
+        wait_until(installer, lambda report: str(node.configmap.root) in report.rejected)
+        node.configmap = ConfigMapVolume(node.configmap.root)
+        narrowed = profiles.render_apparmor("s3fs", mountpoint="/mnt/s3")
+        node.configmap.publish(all_profiles(**{S3FS: narrowed}))
+        wait_until(installer, lambda _: node.installed(S3FS) == narrowed.encode())
+
+        # From the next wait on, only the watch can see a change in time.
+        installer.recheck = 3600.0
+        narrower = profiles.render_apparmor("s3fs", mountpoint="/mnt/s3/a")
+        node.configmap.publish(all_profiles(**{S3FS: narrower}))
+        wait_until(installer, lambda _: node.installed(S3FS) == narrower.encode())
+        narrowest = profiles.render_apparmor("s3fs", mountpoint="/mnt/s3/b")
+        node.configmap.publish(all_profiles(**{S3FS: narrowest}))
+        wait_until(installer, lambda _: node.installed(S3FS) == narrowest.encode())
+    finally:
+        installer.stop()
+        thread.join(DEADLINE)
+    assert not thread.is_alive()
