@@ -57,25 +57,63 @@ MOUNT_COMMANDS = frozenset({
 # hostile megabyte-long line (their cost grows with the square of its length).
 MAX_RULE = 1000
 
-_RULE_END = re.compile(r",\s*(#.*)?$")
+_BEFORE_COMMENT = frozenset(" \t,{}()")
 
 
-def _rules(text: str) -> list[tuple[int, str]]:
-    """(line number, rule) for each rule line, comments stripped."""
+def rule_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, rule) for each rule, comments stripped; a line holding several rules
+    (``file, mount,``) gives one entry for each, with its comma."""
     found = []
     for number, line in enumerate(text.splitlines(), 1):
         stripped = line.strip()
         # "#include" is a directive, not a comment.
-        rule = stripped if stripped.startswith("#include") else stripped.split("#", 1)[0].strip()
-        if rule:
-            found.append((number, rule))
+        if stripped.startswith("#include"):
+            found.append((number, stripped))
+            continue
+        found += [(number, rule) for rule in split_rules(uncommented(stripped))]
     return found
+
+
+def split_rules(line: str) -> list[str]:
+    """The rules on one line, each with its comma: split after commas outside (), {}
+    and quotes (``options=(rw,nosuid)`` and ``{,/**}`` are one rule's)."""
+    rules, depth, quoted, start = [], 0, False, 0
+    for index, char in enumerate(line):
+        if char == '"':
+            quoted = not quoted
+        elif quoted:
+            continue
+        elif char in "({":
+            depth += 1
+        elif char in ")}":
+            depth -= 1
+        elif char == "," and depth <= 0:
+            rules.append(line[start:index + 1].strip())
+            start = index + 1
+    rules.append(line[start:].strip())
+    return [rule for rule in rules if rule]
+
+
+def uncommented(line: str) -> str:
+    """``line`` without its comment, where apparmor_parser sees one.
+
+    A '#' starts a comment at the start of a line or after a space, ',', a brace or a
+    parenthesis; inside a word (``/tmp/a#``, ``peer=a#b``) or quotes it is a character
+    like any other, and the rest of the line is policy (seen with apparmor_parser -d).
+    """
+    quoted = False
+    for index, char in enumerate(line):
+        if char == '"':
+            quoted = not quoted
+        elif char == "#" and not quoted and (index == 0 or line[index - 1] in _BEFORE_COMMENT):
+            return line[:index]
+    return line
 
 
 def _checkable_rules(text: str) -> tuple[list[str], list[tuple[int, str]]]:
     """Errors for overlong rules, and the other rules (the ones worth checking further)."""
     errors, rules = [], []
-    for number, rule in _rules(text):
+    for number, rule in rule_lines(text):
         if len(rule) > MAX_RULE:
             errors.append(f"line {number} is longer than {MAX_RULE} characters")
         else:
@@ -163,7 +201,7 @@ def _widened(number: int, rule: str) -> list[str]:
 def _unbalanced(text: str) -> bool:
     depth = 0
     for line in text.splitlines():
-        for char in line.split("#", 1)[0]:
+        for char in uncommented(line):
             depth += {"{": 1, "}": -1}.get(char, 0)
             if depth < 0:
                 return True
