@@ -20,6 +20,7 @@ from fuse_plugin.errors import EXIT_USAGE, Failure
 from fuse_plugin.profiles import (
     PRESETS,
     ProfileError,
+    admit,
     lint,
     render_apparmor,
     render_seccomp,
@@ -114,15 +115,25 @@ def _lint(paths: list[Path], out: TextIO) -> int:
         try:
             text = data.decode()
         except UnicodeDecodeError as err:
-            errors = [f"not UTF-8 text (byte {err.start})"]
+            errors, custom = [f"not UTF-8 text (byte {err.start})"], None
         else:
-            errors = lint.seccomp_text(text) if path.suffix == ".json" else lint.apparmor(text)
+            errors, custom = _lint_text(path.name, text)
         for error in errors:
             out.write(f"{path}: {error}\n")
         if not errors:
-            out.write(f"{path}: ok\n")
+            out.write(f"{path}: ok\n" if custom is None else
+                      f"{path}: ok (install-profiles installs it only with {admit.FLAG}: "
+                      f"{custom})\n")
         failed = failed or bool(errors)
     return EXIT_FINDINGS if failed else 0
+
+
+def _lint_text(name: str, text: str) -> tuple[list[str], str | None]:
+    """Everything install-profiles would refuse in ``text`` under file name ``name``, and
+    (when nothing) why only --allow-custom-profiles installs it, or None: it is this
+    version's own."""
+    errors = lint.seccomp_text(text) if name.endswith(".json") else lint.apparmor(text)
+    return errors + admit.refusals(name, text), admit.generated(name, text)
 
 
 def add_install_flags(parser: argparse.ArgumentParser) -> None:
@@ -145,6 +156,12 @@ def add_install_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--once", action="store_true",
                         help="install and exit (exit 1 if a profile was rejected) instead of "
                              "watching DIR; for init containers")
+    parser.add_argument(admit.FLAG, action="store_true",
+                        help="also install profiles that are not exactly this version's "
+                             "preset profiles (still refused: other profiles' names, "
+                             "runtime default names, attachments, hats, change_profile, "
+                             "bare mount/umount/pivot_root, exec transitions, seccomp "
+                             "allowing bpf, kexec, modules and the like; docs/profiles.md)")
     parser.add_argument("--log-format", type=config.choice(logs.FORMATS), default="text",
                         help="log line format: text or json")
     parser.add_argument("--log-level", type=config.choice(logs.LEVELS), default="info",
@@ -159,7 +176,7 @@ def install_profiles(args: argparse.Namespace, paths: NodePaths | None = None) -
     paths = paths or NodePaths.under_sys(
         args.sys_dir, source=source, apparmor_dir=args.apparmor_dir,
         seccomp_dir=args.seccomp_dir, parser=args.apparmor_parser)
-    installer = Installer(paths, log)
+    installer = Installer(paths, log, allow_custom=args.allow_custom_profiles)
 
     def on_signal(signum: int, _frame: object) -> None:
         logs.event(log, "signal", signal=signal.Signals(signum).name)

@@ -32,7 +32,7 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
 from fuse_plugin import files, logs
-from fuse_plugin.profiles import apparmor, lint, validate
+from fuse_plugin.profiles import admit, apparmor, lint, validate
 from fuse_plugin.profiles.presets import DEFAULT_SECCOMP_DIR
 
 DEFAULT_APPARMOR_DIR = Path("/etc/apparmor.d")
@@ -141,9 +141,11 @@ def _parser_error(result: subprocess.CompletedProcess[str]) -> str:
 
 class Installer:
     def __init__(self, paths: NodePaths, log: logging.Logger,
-                 runner: Runner = run_command, recheck: float = RECHECK_INTERVAL) -> None:
+                 runner: Runner = run_command, recheck: float = RECHECK_INTERVAL,
+                 allow_custom: bool = False) -> None:
         self.paths = paths
         self.recheck = recheck
+        self.allow_custom = allow_custom
         self.log = log
         self.runner = runner
         self._changed = threading.Event()
@@ -232,7 +234,7 @@ class Installer:
 
     def _install_seccomp(self, name: str, data: bytes) -> bool:
         _check_name(name.removesuffix(".json"))
-        _linted(data, lint.seccomp_text)
+        self._admit(name, _linted(data, lint.seccomp_text))
         dest = self.paths.seccomp_dir / name
         if files.read_or_none(dest) == data:
             return False
@@ -252,6 +254,7 @@ class Installer:
         if declared != name:
             raise Rejected(f"the file declares profile {declared!r}; name the file after "
                            "the profile")
+        self._admit(name, text)
         dest = self.paths.apparmor_dir / name
         same = files.read_or_none(dest) == data
         if same and (not has_apparmor or self._is_loaded(name)):
@@ -281,6 +284,16 @@ class Installer:
         logs.event(self.log, "profile_installed", kind="apparmor", profile=name, path=str(dest),
                    loaded=has_apparmor)
         return True
+
+    def _admit(self, name: str, text: str) -> None:
+        """Rejected unless this installer may install ``text`` as ``name`` (admit.py)."""
+        refusals = admit.refusals(name, text)
+        if refusals:
+            raise Rejected(_summary(refusals, "refused"))
+        if not self.allow_custom:
+            differs = admit.generated(name, text)
+            if differs:
+                raise Rejected(f"{differs}; only {admit.FLAG} installs it")
 
     def _is_loaded(self, name: str) -> bool:
         try:
@@ -445,6 +458,6 @@ def _linted(data: bytes, check: Callable[[str], list[str]]) -> str:
     return text
 
 
-def _summary(errors: list[str]) -> str:
+def _summary(errors: list[str], what: str = "lint") -> str:
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"lint: {errors[0]}{more}"
+    return f"{what}: {errors[0]}{more}"

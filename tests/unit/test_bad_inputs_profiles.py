@@ -19,9 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
-from fuse_plugin import files, logs, profiles
-from fuse_plugin.profiles import lint
+from fuse_plugin import __version__, files, logs, profiles
+from fuse_plugin.profiles import admit, lint, seccomp
 from fuse_plugin.profiles.install import Installer, NodePaths
 from tests.unit import test_doctor as doctor_tree
 from tests.unit.test_profiles_install import (
@@ -459,3 +460,191 @@ def test_doctor_gives_one_finding_for_each_bad_file(doctor_root: Path, path: str
     assert said in detail
     assert "\n" not in detail
     assert len(detail) < 400
+
+
+# -- what the installer may install (issue 15) --------------------------------------------
+
+S3FS_TEXT = profiles.render_apparmor("s3fs")
+
+
+def with_rule(rule: str) -> str:
+    return S3FS_TEXT.replace("  file,\n", f"  file,\n{rule}\n")
+
+
+def renamed(name: str) -> str:
+    return S3FS_TEXT.replace(S3FS, name)
+
+
+def seccomp_allowing(name: str, action: str = "SCMP_ACT_ALLOW") -> str:
+    return seccomp_rule({"names": [name], "action": action}).decode()
+
+
+# Profiles that parse and pass the FUSE lint, yet would hand a ConfigMap writer the
+# node: (id, file name, text, the first reason given). Refused with or without
+# --allow-custom-profiles.
+DANGEROUS = [
+    ("bare-mount", S3FS, with_rule("  mount,"), "allows it everywhere"),
+    ("bare-umount", S3FS, with_rule("  umount,"), "allows it everywhere"),
+    ("bare-pivot-root", S3FS, with_rule("  pivot_root,"), "allows it everywhere"),
+    ("mount-any-type", S3FS, with_rule("  mount -> /mnt/**,"), "any filesystem type"),
+    ("mount-behind-a-hash", S3FS, with_rule("  /tmp/a# r, mount,"), "allows it everywhere"),
+    ("mount-second-on-line", S3FS, with_rule("  signal, mount,"), "allows it everywhere"),
+    ("change-profile", S3FS, with_rule("  change_profile -> **,"), "another profile"),
+    ("unconfined-exec", S3FS, with_rule("  /usr/bin/** ux,"), "unconfined"),
+    ("profile-exec", S3FS, with_rule("  /usr/bin/** Px -> docker-default,"),
+     "another profile"),
+    ("hat", S3FS, with_rule("  ^hat {\n    mount,\n  }"), "2 blocks open"),
+    ("inline-hat", S3FS, with_rule("  ^hat { mount, }"), "hat or child profile"),
+    ("child-profile", S3FS, with_rule("  profile child {\n    mount,\n  }"),
+     "exactly one 'profile NAME {' block"),
+    ("attachment", S3FS, S3FS_TEXT.replace(f"profile {S3FS} flags", f"profile {S3FS} "
+                                           "/usr/bin/** flags"), "attaches to /usr/bin/**"),
+    ("profile-by-path", S3FS, S3FS_TEXT + "/usr/bin/foo {\n  mount,\n}\n", "2 blocks open"),
+    ("extra-profile", S3FS, S3FS_TEXT + "profile fuse-device-plugin-x {\n  mount,\n}\n",
+     "exactly one 'profile NAME {' block"),
+    ("docker-default", "docker-default", renamed("docker-default"),
+     "a container runtime's default profile"),
+    ("cri-containerd", "cri-containerd.apparmor.d", renamed("cri-containerd.apparmor.d"),
+     "a container runtime's default profile"),
+    ("outside-prefix", "team-a", renamed("team-a"), "is not fuse-device-plugin-..."),
+    ("default-allow-flag", S3FS, S3FS_TEXT.replace("mediate_deleted)",
+                                                   "mediate_deleted,default_allow)"),
+     "flag default_allow is not allowed"),
+    ("include-elsewhere", S3FS, with_rule('  include "/var/lib/kubelet/pods/x/rules"'),
+     "includes a file the ConfigMap does not hold"),
+    *[(f"seccomp-{name}", "s3fs.json", seccomp_allowing(name), f"allows {name}:")
+      for name in ("bpf", "kexec_load", "kexec_file_load", "init_module", "finit_module",
+                   "delete_module", "open_by_handle_at", "perf_event_open", "fsmount",
+                   "keyctl")],
+    ("seccomp-bpf-logged", "s3fs.json", seccomp_allowing("bpf", "SCMP_ACT_LOG"),
+     "allows bpf:"),
+    ("seccomp-bpf-notify", "s3fs.json", seccomp_allowing("bpf", "SCMP_ACT_NOTIFY"),
+     "allows bpf:"),
+    ("seccomp-default-notify", "s3fs.json", seccomp_with(
+        defaultAction="SCMP_ACT_NOTIFY").decode(), "defaultAction SCMP_ACT_NOTIFY"),
+]
+DANGEROUS_IDS = [case[0] for case in DANGEROUS]
+
+
+def installer_for(tmp_path: Path, contents: dict[str, bytes], custom: bool) -> Installer:
+    configmap = ConfigMapVolume(tmp_path / "configmap")
+    configmap.publish(contents)
+    paths = NodePaths.under_sys(tmp_path / "sys", source=configmap.root,
+                                apparmor_dir=tmp_path / "apparmor.d",
+                                seccomp_dir=tmp_path / "seccomp",
+                                parser=REAL_PARSER or "apparmor_parser")
+    return Installer(paths, logs.setup("text", "info"), allow_custom=custom)
+
+
+@needs_parser
+@pytest.mark.parametrize("custom", [False, True], ids=["default", "allow-custom"])
+@pytest.mark.parametrize(("name", "text", "said"), [case[1:] for case in DANGEROUS],
+                         ids=DANGEROUS_IDS)
+def test_dangerous_profiles_are_refused_in_every_mode(tmp_path: Path, name: str, text: str,
+                                                      said: str, custom: bool) -> None:
+    installer = installer_for(tmp_path, {name: text.encode()}, custom)
+    report = installer.sync()
+    assert list(report.rejected) == [name]
+    assert said in report.rejected[name]
+    assert report.installed == []
+    assert not any((tmp_path / d).is_dir() and any((tmp_path / d).iterdir())
+                   for d in ("apparmor.d", "seccomp"))
+
+
+@pytest.mark.parametrize(("name", "text", "said"), [case[1:] for case in DANGEROUS],
+                         ids=DANGEROUS_IDS)
+def test_lint_reports_what_the_installer_refuses(tmp_path: Path, name: str, text: str,
+                                                 said: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    done = run("profile", "lint", str(path))
+    assert_clean_failure(done)
+    assert done.returncode == 1
+    assert any(line.startswith(f"{path}: ") and said in line
+               for line in done.stdout.splitlines()), done.stdout
+
+
+def test_forbidden_system_calls_are_none_a_preset_allows() -> None:
+    """The list is what no FUSE profile may allow: refusing one of them must never refuse
+    the project's own profiles, and each must be a real system call name."""
+    allowed = set(seccomp.runtime_default_syscalls()) | {"clone", "clone3", "personality"}
+    for preset in profiles.PRESETS.values():
+        allowed |= set(preset.syscalls)
+    assert not allowed & set(admit.FORBIDDEN_SYSCALLS)
+    assert set(admit.FORBIDDEN_SYSCALLS) <= seccomp.known_syscalls()
+
+
+TEAM = "fuse-device-plugin-team-a"
+CUSTOM_SECCOMP = json.dumps({"defaultAction": "SCMP_ACT_ERRNO",
+                             "architectures": ["SCMP_ARCH_X86_64"],
+                             "syscalls": [{"names": ["read", "write", "exit_group"],
+                                           "action": "SCMP_ACT_ALLOW"}]})
+
+
+def mixed_source() -> dict[str, bytes]:
+    """This version's presets (one narrowed to a mountpoint), beside profiles that are not
+    exactly what it generates for their names."""
+    return {
+        **all_profiles(),
+        SSHFS: profiles.render_apparmor("sshfs", mountpoint="/mnt/remote").encode(),
+        TEAM: profiles.render_apparmor("generic", name=TEAM, mountpoint="/data").encode(),
+        "s3fs.json": profiles.render_seccomp("s3fs").encode() + b"\n",
+        "custom.json": CUSTOM_SECCOMP.encode(),
+        "fuse-device-plugin-generic": profiles.render_apparmor(
+            "generic", mountpoint="/mnt/x").replace("/mnt/x", "/proc/x").encode(),
+    }
+
+
+@needs_parser
+def test_by_default_only_this_versions_preset_profiles_are_installed(tmp_path: Path
+                                                                     ) -> None:
+    report = installer_for(tmp_path, mixed_source(), custom=False).sync()
+    assert sorted(report.rejected) == sorted(
+        ["custom.json", "fuse-device-plugin-generic", "s3fs.json", TEAM])
+    for name in ("fuse-device-plugin-generic", "s3fs.json"):
+        assert report.rejected[name].startswith(
+            f"not what fuse-device-plugin {__version__} generates for preset ")
+        assert "--allow-custom-profiles" in report.rejected[name]
+    for name in (TEAM, "custom.json"):
+        assert report.rejected[name].startswith("not a preset profile")
+    assert sorted(report.installed) == sorted(
+        ["fuse-device-plugin-s3fs", SSHFS, "fuse-device-plugin-lxcfs", "generic.json",
+         "sshfs.json", "lxcfs.json"])
+
+
+@needs_parser
+def test_allow_custom_profiles_installs_safe_profiles_of_ones_own(tmp_path: Path) -> None:
+    report = installer_for(tmp_path, mixed_source(), custom=True).sync()
+    assert report.rejected == {}
+    assert TEAM in report.installed
+    assert "custom.json" in report.installed
+
+
+@needs_parser
+def test_the_shipped_configmap_installs_by_default(tmp_path: Path) -> None:
+    manifest = Path(__file__).resolve().parents[2] / "manifests/profiles-configmap.yaml"
+    data = yaml.safe_load(manifest.read_text())["data"]
+    report = installer_for(tmp_path, {k: v.encode() for k, v in data.items()},
+                           custom=False).sync()
+    assert report.rejected == {}
+    assert sorted(report.installed) == sorted(data)
+
+
+@needs_parser
+def test_install_once_flag_and_lint_say_which_mode_takes_a_file(tmp_path: Path) -> None:
+    source, dest = tmp_path / "source", tmp_path / "node"
+    source.mkdir()
+    (source / "custom.json").write_text(CUSTOM_SECCOMP)
+    done = install_once(source, dest)
+    assert done.returncode == 1
+    assert "--allow-custom-profiles" in done.stderr
+    assert install_once(source, dest, "--allow-custom-profiles").returncode == 0
+    assert (dest / "seccomp" / "custom.json").read_text() == CUSTOM_SECCOMP
+
+    (source / "s3fs.json").write_text(profiles.render_seccomp("s3fs"))
+    done = run("profile", "lint", str(source / "custom.json"), str(source / "s3fs.json"))
+    assert done.returncode == 0, done.stdout
+    assert done.stdout.splitlines() == [
+        f"{source / 'custom.json'}: ok (install-profiles installs it only with "
+        "--allow-custom-profiles: not a preset profile)",
+        f"{source / 's3fs.json'}: ok"]
