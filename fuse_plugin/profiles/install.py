@@ -7,12 +7,14 @@ is a symlink ``name -> ..data/name``. A new version is a new timestamp directory
 rename of a fresh symlink over ``..data``. We read one snapshot (the directory ``..data``
 points at) per pass, so a pass never mixes two versions.
 
-Order of a pass, per AppArmor profile: lint, stage a temp file beside the destination,
-``apparmor_parser -Q -K`` on it (parse without loading), ``apparmor_parser -r`` when the
-kernel has AppArmor, rename over the destination, check the kernel lists the profile.
-Any failure discards the temp file: the previous file and the previous loaded profile
-stay. Seccomp profiles are linted and renamed into place. A pass that changes nothing
-writes nothing and runs nothing (idempotent).
+Order of a pass, per AppArmor profile: read it (a regular file, at most 1 MiB), lint,
+check it may be installed at all (admit.py: by default only this version's own preset
+profiles), stage a temp file beside the destination, ``apparmor_parser -Q -K`` on it
+(parse without loading), ``apparmor_parser -r`` when the kernel has AppArmor, rename
+over the destination, check the kernel lists the profile. Any failure discards the temp
+file: the previous file and the previous loaded profile stay, and the other files go on.
+Seccomp profiles are read, linted, checked and renamed into place. A pass that changes
+nothing writes nothing and runs nothing (idempotent).
 """
 
 from __future__ import annotations
