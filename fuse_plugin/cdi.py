@@ -14,12 +14,11 @@ never reads half a spec, and a crash leaves no spec that names the wrong device.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from fuse_plugin import files
 from fuse_plugin.config import DEFAULT_RESOURCE_NAME
 from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR
 
@@ -73,39 +72,17 @@ def write_spec(directory: Path, device: Path, resource: str) -> Path:
     """Write the spec atomically into ``directory`` (created if missing); return its path.
 
     Raises ValueError for a resource that is not a CDI kind and OSError when the
-    directory cannot be written; no temp file is left behind either way.
+    directory cannot be written; no temp file is left behind either way. The temp
+    name ends in ``.tmp``, not ``.json``, so a runtime scanning the directory skips it.
     """
     text = json.dumps(build_spec(device, resource), indent=2) + "\n"
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / spec_file_name(resource)
-    fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temp, 0o644)
-        os.replace(temp, target)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(directory)
+    files.write_atomic(target, text.encode(), mode=0o644)
     return target
 
 
 def remove_spec(path: Path) -> None:
     """Remove the spec at shutdown; already gone is fine (a restart may race us)."""
     path.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename or unlink itself durable, not only the file's bytes."""
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    files.fsync_dir(path.parent)

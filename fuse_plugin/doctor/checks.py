@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from fuse_plugin import config
+from fuse_plugin import config, files
 from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR
 from fuse_plugin.errors import Failure
-from fuse_plugin.profiles import presets
+from fuse_plugin.profiles import lint, presets
 
 # The presets, names and paths are the generator's own, so the doctor checks for exactly
 # what `profile` generates and `install-profiles` installs.
@@ -87,16 +87,48 @@ class Node:
         return self.device_plugin_dir / config.KUBELET_SOCKET
 
 
+# -- reading node files --------------------------------------------------------------
+
+class CannotRead(Exception):
+    """A node file the doctor cannot use; the message is a short reason."""
+
+
+def read_text(real: Path) -> str:
+    """A node file's text, read the careful way: the node may hold anything at a path.
+
+    A FIFO, /dev/zero or a huge file where a small file belongs must give a finding, not
+    a hang or an endless read (files.read_regular refuses anything but a regular file,
+    without opening it). FileNotFoundError passes through: missing is often its own
+    verdict; every other problem is CannotRead.
+    """
+    try:
+        data = files.read_regular(real)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        raise CannotRead(err.strerror or str(err)) from None
+    except files.NotReadable as err:
+        raise CannotRead(str(err)) from None
+    try:
+        return data.decode()
+    except UnicodeDecodeError as err:
+        raise CannotRead(f"not UTF-8 text (byte {err.start})") from None
+
+
+def _why(err: Exception) -> str:
+    return (err.strerror or str(err)) if isinstance(err, OSError) else str(err)
+
+
 # -- the checks ----------------------------------------------------------------------
 
 def check_fuse_filesystem(node: Node) -> Check:
     name, path = "fuse filesystem", "/proc/filesystems"
     try:
-        text = node.at(path).read_text()
-    except OSError as err:
-        return Check(name, Verdict.FAIL, f"cannot read {path}: {err.strerror}",
+        text = read_text(node.at(path))
+    except (OSError, CannotRead) as err:
+        return Check(name, Verdict.FAIL, f"cannot read {path}: {_why(err)}",
                      "run the doctor where /proc is the node's (or mount it under --root)")
-    if "fuse" in {line.split()[-1] for line in text.splitlines() if line.strip()}:
+    if "fuse" in {line.split()[-1] for line in text.splitlines() if line.split()}:
         return Check(name, Verdict.OK, f"fuse is in {path}")
     return Check(name, Verdict.FAIL, f"the kernel has no fuse filesystem (not in {path})",
                  "modprobe fuse; make it stick with `fuse` in /etc/modules-load.d/fuse.conf")
@@ -261,26 +293,26 @@ def check_apparmor(node: Node) -> list[Check]:
     without = ("expected on SELinux distributions; there only seccomp and capabilities limit "
                "FUSE pods, and they cannot restrict the filesystem type (docs/profiles.md)")
     try:
-        enabled = node.at(path).read_text().strip()
+        enabled = read_text(node.at(path)).strip()
     except FileNotFoundError:
         return [Check(name, Verdict.WARN, f"the kernel has no AppArmor ({path} is missing)",
                       without)]
-    except OSError as err:
-        return [Check(name, Verdict.WARN, f"cannot read {path}: {err.strerror}", without)]
+    except (OSError, CannotRead) as err:
+        return [Check(name, Verdict.WARN, f"cannot read {path}: {_why(err)}", without)]
     if enabled != "Y":
         return [Check(name, Verdict.WARN, f"AppArmor is disabled in the kernel ({path}: "
-                      f"{enabled or 'empty'})", without)]
+                      f"{' '.join(enabled.split())[:20] or 'empty'})", without)]
     checks = [Check(name, Verdict.OK, "AppArmor is enabled in the kernel")]
     listing = "/sys/kernel/security/apparmor/profiles"
     try:
-        text = node.at(listing).read_text()
+        text = read_text(node.at(listing))
     except FileNotFoundError:
         checks.append(Check("apparmor profiles", Verdict.WARN, f"{listing} is missing",
                             "mount -t securityfs securityfs /sys/kernel/security"))
         return checks
-    except OSError as err:
+    except (OSError, CannotRead) as err:
         checks.append(Check("apparmor profiles", Verdict.WARN,
-                            f"cannot read {listing}: {err.strerror}", "run the doctor as root"))
+                            f"cannot read {listing}: {_why(err)}", "run the doctor as root"))
         return checks
     loaded: dict[str, str] = {}
     for line in text.splitlines():
@@ -305,24 +337,37 @@ def check_apparmor(node: Node) -> list[Check]:
 
 
 def _allows(profile: dict[str, Any], syscall: str) -> bool:
+    """Whether a profile that passed lint.seccomp_shape allows ``syscall``."""
     if profile.get("defaultAction") == "SCMP_ACT_ALLOW":
         return True
-    return any(isinstance(rule, dict) and rule.get("action") == "SCMP_ACT_ALLOW"
-               and syscall in (rule.get("names") or [])
-               for rule in profile.get("syscalls") or [])
+    return any(rule["action"] == "SCMP_ACT_ALLOW" and syscall in rule["names"]
+               for rule in profile.get("syscalls", []))
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON in a node file; FileNotFoundError or CannotRead."""
+    text = read_text(path)
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise CannotRead("nested too deeply") from None
+    except ValueError:
+        raise CannotRead("not valid JSON") from None
 
 
 def _seccomp_state(path: Path) -> tuple[Verdict | None, str]:
     """None when the file is missing; else a verdict on what the kubelet would load."""
     try:
-        profile = json.loads(path.read_text())
+        profile = _read_json(path)
     except FileNotFoundError:
         return None, "missing"
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        reason = err.strerror if isinstance(err, OSError) else "not valid JSON"
-        return Verdict.FAIL, f"unreadable ({reason})"
+    except CannotRead as err:
+        return Verdict.FAIL, f"unreadable ({err})"
     if not isinstance(profile, dict) or "defaultAction" not in profile:
         return Verdict.FAIL, "is not an OCI seccomp profile (no defaultAction)"
+    shape = lint.seccomp_shape(profile)
+    if shape:
+        return Verdict.FAIL, f"is not an OCI seccomp profile ({shape[0]})"
     refused = [s for s in ("mount", "umount2") if not _allows(profile, s)]
     if refused:
         return Verdict.FAIL, f"does not allow {', '.join(refused)}"

@@ -8,7 +8,9 @@ can check on their own.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
@@ -18,6 +20,7 @@ from fuse_plugin.errors import EXIT_USAGE, Failure
 from fuse_plugin.profiles import (
     PRESETS,
     ProfileError,
+    admit,
     lint,
     render_apparmor,
     render_seccomp,
@@ -83,8 +86,16 @@ def profile(args: argparse.Namespace, out: TextIO) -> int:
     if not output.parent.is_dir():
         raise Failure(f"--output {output}: directory {output.parent} does not exist",
                       EXIT_USAGE)
-    if output.is_dir():
-        raise Failure(f"--output {output} is a directory", EXIT_USAGE)
+    try:
+        mode: int | None = os.lstat(output).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as err:
+        raise Failure(f"--output {output}: {err.strerror or err}", EXIT_USAGE) from None
+    # The rename would replace a device node, FIFO or symlink itself (once, /dev/full).
+    if mode is not None and not stat.S_ISREG(mode):
+        raise Failure(f"--output {output} is {files.describe(mode)}; only a regular file "
+                      "is replaced", EXIT_USAGE)
     try:
         files.write_atomic(output, text.encode())
     except OSError as err:
@@ -96,17 +107,33 @@ def _lint(paths: list[Path], out: TextIO) -> int:
     failed = False
     for path in paths:
         try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as err:
-            raise Failure(f"cannot read {path}: {getattr(err, 'strerror', None) or err}",
-                          EXIT_USAGE) from None
-        errors = lint.seccomp_text(text) if path.suffix == ".json" else lint.apparmor(text)
+            data = files.read_regular(path)
+        except files.NotReadable as err:
+            raise Failure(f"cannot read {path}: {err}", EXIT_USAGE) from None
+        except OSError as err:
+            raise Failure(f"cannot read {path}: {err.strerror or err}", EXIT_USAGE) from None
+        try:
+            text = data.decode()
+        except UnicodeDecodeError as err:
+            errors, custom = [f"not UTF-8 text (byte {err.start})"], None
+        else:
+            errors, custom = _lint_text(path.name, text)
         for error in errors:
             out.write(f"{path}: {error}\n")
         if not errors:
-            out.write(f"{path}: ok\n")
+            out.write(f"{path}: ok\n" if custom is None else
+                      f"{path}: ok (install-profiles installs it only with {admit.FLAG}: "
+                      f"{custom})\n")
         failed = failed or bool(errors)
     return EXIT_FINDINGS if failed else 0
+
+
+def _lint_text(name: str, text: str) -> tuple[list[str], str | None]:
+    """Everything install-profiles would refuse in ``text`` under file name ``name``, and
+    (when nothing) why only --allow-custom-profiles installs it, or None: it is this
+    version's own."""
+    errors = lint.seccomp_text(text) if name.endswith(".json") else lint.apparmor(text)
+    return errors + admit.refusals(name, text), admit.generated(name, text)
 
 
 def add_install_flags(parser: argparse.ArgumentParser) -> None:
@@ -129,6 +156,12 @@ def add_install_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--once", action="store_true",
                         help="install and exit (exit 1 if a profile was rejected) instead of "
                              "watching DIR; for init containers")
+    parser.add_argument(admit.FLAG, action="store_true",
+                        help="also install profiles that are not exactly this version's "
+                             "preset profiles (still refused: other profiles' names, "
+                             "runtime default names, attachments, hats, change_profile, "
+                             "bare mount/umount/pivot_root, exec transitions, seccomp "
+                             "allowing bpf, kexec, modules and the like; docs/profiles.md)")
     parser.add_argument("--log-format", type=config.choice(logs.FORMATS), default="text",
                         help="log line format: text or json")
     parser.add_argument("--log-level", type=config.choice(logs.LEVELS), default="info",
@@ -143,7 +176,7 @@ def install_profiles(args: argparse.Namespace, paths: NodePaths | None = None) -
     paths = paths or NodePaths.under_sys(
         args.sys_dir, source=source, apparmor_dir=args.apparmor_dir,
         seccomp_dir=args.seccomp_dir, parser=args.apparmor_parser)
-    installer = Installer(paths, log)
+    installer = Installer(paths, log, allow_custom=args.allow_custom_profiles)
 
     def on_signal(signum: int, _frame: object) -> None:
         logs.event(log, "signal", signal=signal.Signals(signum).name)

@@ -7,12 +7,14 @@ is a symlink ``name -> ..data/name``. A new version is a new timestamp directory
 rename of a fresh symlink over ``..data``. We read one snapshot (the directory ``..data``
 points at) per pass, so a pass never mixes two versions.
 
-Order of a pass, per AppArmor profile: lint, stage a temp file beside the destination,
-``apparmor_parser -Q -K`` on it (parse without loading), ``apparmor_parser -r`` when the
-kernel has AppArmor, rename over the destination, check the kernel lists the profile.
-Any failure discards the temp file: the previous file and the previous loaded profile
-stay. Seccomp profiles are linted and renamed into place. A pass that changes nothing
-writes nothing and runs nothing (idempotent).
+Order of a pass, per AppArmor profile: read it (a regular file, at most 1 MiB), lint,
+check it may be installed at all (admit.py: by default only this version's own preset
+profiles), stage a temp file beside the destination, ``apparmor_parser -Q -K`` on it
+(parse without loading), ``apparmor_parser -r`` when the kernel has AppArmor, rename
+over the destination, check the kernel lists the profile. Any failure discards the temp
+file: the previous file and the previous loaded profile stay, and the other files go on.
+Seccomp profiles are read, linted, checked and renamed into place. A pass that changes
+nothing writes nothing and runs nothing (idempotent).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from pathlib import Path
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
+from watchdog.observers.api import BaseObserver
 
 from fuse_plugin import files, logs
-from fuse_plugin.profiles import apparmor, lint, validate
+from fuse_plugin.profiles import admit, apparmor, lint, validate
 from fuse_plugin.profiles.presets import DEFAULT_SECCOMP_DIR
 
 DEFAULT_APPARMOR_DIR = Path("/etc/apparmor.d")
@@ -43,6 +46,10 @@ PARSER_TIMEOUT = 60.0
 # arrives as several events, costs one pass.
 SETTLE_QUIET = 0.1
 SETTLE_MAX = 2.0
+# The safety net under the watch: inotify loses its watch for good when the directory
+# itself goes (a remounted volume, a re-created dir). A stat of the source and its files
+# this often finds such a change, and the watch is put back.
+RECHECK_INTERVAL = 10.0
 _IGNORED_EVENTS = frozenset({"opened", "closed_no_write"})
 
 Runner = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]
@@ -136,8 +143,11 @@ def _parser_error(result: subprocess.CompletedProcess[str]) -> str:
 
 class Installer:
     def __init__(self, paths: NodePaths, log: logging.Logger,
-                 runner: Runner = run_command) -> None:
+                 runner: Runner = run_command, recheck: float = RECHECK_INTERVAL,
+                 allow_custom: bool = False) -> None:
         self.paths = paths
+        self.recheck = recheck
+        self.allow_custom = allow_custom
         self.log = log
         self.runner = runner
         self._changed = threading.Event()
@@ -171,6 +181,8 @@ class Installer:
         for name, data in sources:
             kind = "seccomp" if name.endswith(".json") else "apparmor"
             try:
+                if isinstance(data, Rejected):
+                    raise data
                 if kind == "seccomp":
                     changed = self._install_seccomp(name, data)
                 elif parser is None:
@@ -181,10 +193,11 @@ class Installer:
                     continue
                 else:
                     changed = self._install_apparmor(name, data, parser, has_apparmor)
-            except Rejected as err:
-                report.rejected[name] = str(err)
+            except Exception as err:  # one file's trouble must never stop the others
+                reason = str(err) if isinstance(err, Rejected) else _unforeseen(err)
+                report.rejected[name] = reason
                 logs.event(self.log, "profile_rejected", logging.ERROR, kind=kind, profile=name,
-                           reason=str(err), kept="previous version (if any)")
+                           reason=reason, kept="previous version (if any)")
                 continue
             (report.installed if changed else report.unchanged).append(name)
         return self._finish(report)
@@ -211,7 +224,7 @@ class Installer:
         return shutil.which(self.paths.parser) or shutil.which(self.paths.parser,
                                                                  path="/usr/sbin:/sbin")
 
-    def _read_sources(self) -> list[tuple[str, bytes]]:
+    def _read_sources(self) -> list[tuple[str, bytes | Rejected]]:
         directory = snapshot_dir(self.paths.source)
         try:
             return _read_dir(directory)
@@ -223,7 +236,7 @@ class Installer:
 
     def _install_seccomp(self, name: str, data: bytes) -> bool:
         _check_name(name.removesuffix(".json"))
-        _linted(data, lint.seccomp_text)
+        self._admit(name, _linted(data, lint.seccomp_text))
         dest = self.paths.seccomp_dir / name
         if files.read_or_none(dest) == data:
             return False
@@ -243,6 +256,7 @@ class Installer:
         if declared != name:
             raise Rejected(f"the file declares profile {declared!r}; name the file after "
                            "the profile")
+        self._admit(name, text)
         dest = self.paths.apparmor_dir / name
         same = files.read_or_none(dest) == data
         if same and (not has_apparmor or self._is_loaded(name)):
@@ -273,6 +287,16 @@ class Installer:
                    loaded=has_apparmor)
         return True
 
+    def _admit(self, name: str, text: str) -> None:
+        """Rejected unless this installer may install ``text`` as ``name`` (admit.py)."""
+        refusals = admit.refusals(name, text)
+        if refusals:
+            raise Rejected(_summary(refusals, "refused"))
+        if not self.allow_custom:
+            differs = admit.generated(name, text)
+            if differs:
+                raise Rejected(f"{differs}; only {admit.FLAG} installs it")
+
     def _is_loaded(self, name: str) -> bool:
         try:
             return loaded_profiles(self.paths).get(name) == "enforce"
@@ -283,27 +307,53 @@ class Installer:
 
     def run(self, once: bool = False) -> int:
         """One pass (``once``: exit 1 if anything was rejected), or pass and watch until
-        :meth:`stop`; watching always ends with 0."""
+        :meth:`stop`; watching always ends with 0.
+
+        A change is seen by the watch at once, or by the re-check every ``recheck``
+        seconds (which also puts the watch back on a source directory made anew).
+        """
         if once:
             return 0 if self.sync().ok else 1
         observer = Observer()
-        observer.schedule(_Wake(self._changed), str(self.paths.source), recursive=False)
+        watched = self._watch(observer)
         observer.start()
         try:
             # The watch is up before the first pass, so no change can fall in between.
+            seen = source_fingerprint(self.paths.source)
             self.sync()
             logs.event(self.log, "watching", source=str(self.paths.source))
             while not self._stop.is_set():
-                self._changed.wait()
+                woken = self._changed.wait(self.recheck)
                 if self._stop.is_set():
                     break
-                self._settle()
-                logs.event(self.log, "source_changed", source=str(self.paths.source))
+                if woken:
+                    self._settle()
+                elif source_fingerprint(self.paths.source) == seen:
+                    continue
+                if _identity(self.paths.source) != watched:
+                    watched = self._watch(observer)
+                logs.event(self.log, "source_changed", source=str(self.paths.source),
+                           seen_by="watch" if woken else "recheck")
+                seen = source_fingerprint(self.paths.source)
                 self.sync()
         finally:
             observer.stop()
             observer.join(timeout=5)
         return 0
+
+    def _watch(self, observer: BaseObserver) -> tuple[int, int] | None:
+        """Put the one watch on the source directory as it is now; its identity, or None
+        while it is missing (the re-check tries again)."""
+        observer.unschedule_all()
+        identity = _identity(self.paths.source)
+        if identity is None:
+            return None
+        try:
+            observer.schedule(_Wake(self._changed), str(self.paths.source), recursive=False)
+        except OSError:
+            return None
+        logs.event(self.log, "watch_armed", logging.DEBUG, source=str(self.paths.source))
+        return identity
 
     def _settle(self) -> None:
         deadline = time.monotonic() + SETTLE_MAX
@@ -335,10 +385,60 @@ class _Wake(FileSystemEventHandler):
             self.changed.set()
 
 
-def _read_dir(directory: Path) -> list[tuple[str, bytes]]:
-    return [(entry.name, (directory / entry.name).read_bytes())
-            for entry in sorted(os.scandir(directory), key=lambda e: e.name)
-            if not entry.name.startswith(".") and entry.is_file()]
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of ``path``: a directory made anew is another one."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def source_fingerprint(source: Path) -> tuple[object, ...] | None:
+    """What changes when the source does, from stat() alone (cheap enough to poll): the
+    directory's identity, the snapshot ``..data`` points at, and each visible file's
+    inode, size and mtime. None while the source cannot be read."""
+    try:
+        directory = snapshot_dir(source)
+        entries = []
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            if entry.name.startswith("."):
+                continue
+            try:
+                st = entry.stat()
+                entries.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
+            except OSError:
+                entries.append((entry.name, 0, 0, 0))
+    except OSError:
+        return None
+    return _identity(source), str(directory), tuple(entries)
+
+
+def _read_dir(directory: Path) -> list[tuple[str, bytes | Rejected]]:
+    """Each visible file's bytes, or why it cannot be read (the others are still read).
+
+    FileNotFoundError goes to the caller: in a ConfigMap volume it means the kubelet
+    removed this snapshot while we read it.
+    """
+    found: list[tuple[str, bytes | Rejected]] = []
+    for name in sorted(entry.name for entry in os.scandir(directory)):
+        if name.startswith("."):
+            continue
+        try:
+            found.append((name, files.read_regular(directory / name)))
+        except files.NotReadable as err:
+            found.append((name, Rejected(f"cannot read: {err}")))
+        except FileNotFoundError:
+            raise
+        except OSError as err:
+            found.append((name, Rejected(f"cannot read: {err.strerror or err}")))
+    return found
+
+
+def _unforeseen(err: Exception) -> str:
+    """A one-line reason for an error no check foresaw (a bug, but one file's only)."""
+    text = " ".join(str(err).split())
+    return f"could not be checked: {type(err).__name__}: {text[:200]}"
 
 
 def _check_name(name: str) -> None:
@@ -360,6 +460,6 @@ def _linted(data: bytes, check: Callable[[str], list[str]]) -> str:
     return text
 
 
-def _summary(errors: list[str]) -> str:
+def _summary(errors: list[str], what: str = "lint") -> str:
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"lint: {errors[0]}{more}"
+    return f"{what}: {errors[0]}{more}"

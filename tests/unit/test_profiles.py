@@ -299,3 +299,23 @@ def test_cli_lint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert f"{good}: ok" in out
     assert "unknown system call 'mnt'" in out
+
+
+@pytest.mark.parametrize("line", [
+    "  /tmp/a# r, deny mount,",         # '#' inside a token is part of it, not a comment
+    '  "/tmp/a #" r, deny mount,',       # nor inside quotes
+    "  signal peer=a#b, deny mount,",
+])
+def test_apparmor_lint_sees_what_apparmor_parser_sees_past_a_hash(line: str) -> None:
+    """apparmor_parser starts a comment at '#' only after a space, ',', a brace or a
+    parenthesis (checked with apparmor_parser -d); elsewhere '#' is part of a path or
+    name, and a lint that cut the line there would miss the rest of it."""
+    text = profiles.render_apparmor("s3fs").replace("  file,\n", f"  file,\n{line}\n")
+    assert any("shadows the FUSE mount rules" in e for e in lint.apparmor(text))
+
+
+def test_apparmor_lint_skips_comments_after_a_brace_or_comma() -> None:
+    text = profiles.render_apparmor("s3fs").replace("  file,\n", "  file,# deny mount,\n")
+    text = text.replace("flags=(attach_disconnected,mediate_deleted) {",
+                        "flags=(attach_disconnected,mediate_deleted) {# deny mount,")
+    assert lint.apparmor(text) == []
