@@ -117,7 +117,8 @@ def get(name: str) -> Preset:
 
 # Where install-profiles puts the seccomp files: pods name them relative to the kubelet's
 # seccomp root, as `fuse-device-plugin/<preset>.json`.
-DEFAULT_SECCOMP_DIR = Path("/var/lib/kubelet/seccomp/fuse-device-plugin")
+SECCOMP_SUBDIR = "fuse-device-plugin"
+DEFAULT_SECCOMP_DIR = Path("/var/lib/kubelet/seccomp") / SECCOMP_SUBDIR
 
 
 def apparmor_name(preset: str) -> str:

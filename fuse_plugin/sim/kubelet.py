@@ -50,7 +50,6 @@ class _Endpoint:
     stub: api_pb2_grpc.DevicePluginStub
     devices: dict[str, str] = field(default_factory=dict)
     updates: int = 0
-    stream: object = None
 
 
 class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
@@ -177,7 +176,6 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
 
     def _list_and_watch(self, resource: str, endpoint: _Endpoint) -> None:
         stream = endpoint.stub.ListAndWatch(api.Empty())
-        endpoint.stream = stream
         try:
             for message in stream:
                 with self._cond:
