@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -40,7 +39,8 @@ def _lean_process() -> None:
     - grpc imports asyncio, which imports Python's ssl and with it OpenSSL: ~4 MiB of
       RSS and ~9 ms of start-up that serve never uses (it speaks plain gRPC on unix
       sockets; gRPC's own TLS is inside its C core). ``ssl`` is hidden only while grpc
-      loads, so a later ``import ssl`` still works.
+      loads, so a later ``import ssl`` still works. (prometheus_client cannot load
+      without ssl: --metrics-port pays for OpenSSL.)
     - glibc gives each thread that mallocs its own arena (up to 8 per CPU), and the gRPC
       worker threads keep freed memory in many half-empty arenas. Two arenas are plenty
       for threads that mostly wait on the GIL.
@@ -69,6 +69,7 @@ def _lean_process() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     _lean_process()
     from fuse_plugin import plugin
+    from fuse_plugin.signals import stop_on_signals
 
     settings = config.from_args(args)
     log = logs.setup(settings.log_format, settings.log_level,
@@ -84,14 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with plugin.assembled(settings, log) as running:
         lifecycle = running.lifecycle
 
-        def on_signal(signum: int, _frame: object) -> None:
-            logs.event(log, "signal", signal=signal.Signals(signum).name)
-            lifecycle.stop()
-
-        # SIGHUP too: a closed terminal or a supervisor's reload must not kill us
-        # without removing our socket and CDI spec.
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(signum, on_signal)
+        stop_on_signals(log, lifecycle.stop)
         return lifecycle.run()
 
 

@@ -136,7 +136,8 @@ class Lifecycle:
         self._in_use_logged = False
         self._executor = futures.ThreadPoolExecutor(max_workers=WORKERS,
                                                     thread_name_prefix="grpc")
-        self._observer = Observer()
+        # Its threads wake every `timeout` s to check for stop; the safety net is as slow.
+        self._observer = Observer(timeout=SAFETY_INTERVAL)
         self._handler = _Events(self)
         self._watches: dict[Path, tuple[ObservedWatch, Identity | None]] = {}
         self._running = False

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +32,7 @@ from fuse_plugin.profiles.install import (
     NodePaths,
 )
 from fuse_plugin.profiles.presets import DEFAULT_SECCOMP_DIR
+from fuse_plugin.signals import stop_on_signals
 
 EXIT_FINDINGS = 1
 
@@ -178,11 +178,6 @@ def install_profiles(args: argparse.Namespace, paths: NodePaths | None = None) -
         seccomp_dir=args.seccomp_dir, parser=args.apparmor_parser)
     installer = Installer(paths, log, allow_custom=args.allow_custom_profiles)
 
-    def on_signal(signum: int, _frame: object) -> None:
-        logs.event(log, "signal", signal=signal.Signals(signum).name)
-        installer.stop()
-
     if not args.once:
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+        stop_on_signals(log, installer.stop)
     return installer.run(once=args.once)

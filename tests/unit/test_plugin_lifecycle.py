@@ -162,7 +162,7 @@ def test_restart_after_sigkill_replaces_the_stale_socket(
 
 def test_json_logs_are_one_object_per_line(kubelet: KubeletStandIn,
                                            start_plugin: StartPlugin) -> None:
-    plugin = start_plugin("--log-format", "json")
+    plugin = start_plugin("--log-format", "json", "--log-level", "debug")
     kubelet.wait_registered()
     kubelet.allocate(RESOURCE, [["fuse-1"]])
     assert plugin.terminate() == 0
