@@ -18,6 +18,9 @@ from fuse_plugin import __version__, config, logs
 from fuse_plugin.errors import EXIT_FAILURE, EXIT_USAGE, Failure
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from fuse_plugin.api import api_pb2 as api
     from fuse_plugin.lifecycle import Lifecycle
     from fuse_plugin.metrics import MetricsServer
 
@@ -96,7 +99,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ValueError as err:
             return fail(f"--cdi: {err}", EXIT_USAGE)
     state = DeviceState(settings.fuse_device, settings.slots)
-    lifecycle = Lifecycle(settings, state, FusePlugin(state, log, cdi_device=cdi_device), log)
+    plugin = FusePlugin(state, log, cdi_device=cdi_device,
+                        mounts=_broker_mounts(settings.broker_dir))
+    lifecycle = Lifecycle(settings, state, plugin, log)
 
     def on_signal(signum: int, _frame: object) -> None:
         logs.event(log, "signal", signal=signal.Signals(signum).name)
@@ -124,6 +129,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
             metrics.stop()
 
 
+def _broker_mounts(broker_dir: Path | None) -> list[api.Mount]:
+    """Broker mode (--broker-dir): the socket's directory and the fusermount3 shim,
+    read-only, in every container (docs/broker.md)."""
+    if broker_dir is None:
+        return []
+    from fuse_plugin.api import api_pb2 as api
+    from fuse_plugin.broker import protocol
+
+    return [api.Mount(container_path=inside, host_path=host, read_only=True)
+            for inside, host in protocol.container_mounts(broker_dir)]
+
+
 def _start_metrics(lifecycle: Lifecycle, settings: config.Settings) -> MetricsServer | None:
     if not settings.metrics_port:
         return None
@@ -138,6 +155,12 @@ def _start_metrics(lifecycle: Lifecycle, settings: config.Settings) -> MetricsSe
     logs.event(logs.get(), "metrics.serving", address=settings.metrics_address,
                port=server.port)
     return server
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    from fuse_plugin.broker import server
+
+    return server.command(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -197,7 +220,13 @@ def build_parser(all_flags: bool = True) -> argparse.ArgumentParser:
         "install-profiles", help="install the profiles on this node from DIR (a ConfigMap) "
                                  "and reload them when it changes")
     install.set_defaults(func=cmd_install_profiles)
+    broker = commands.add_parser(
+        "broker", help="run the node's FUSE mount broker (broker mode, docs/broker.md)")
+    broker.set_defaults(func=cmd_broker)
     if all_flags:
+        from fuse_plugin.broker import server as broker_flags
+
+        broker_flags.add_flags(broker)
         from fuse_plugin import doctor as doctor_flags
         from fuse_plugin.profiles import command as profile_flags
 

@@ -47,6 +47,7 @@ class Settings:
     metrics_address: str = "0.0.0.0"
     cdi: bool = False
     cdi_dir: Path = Path("/var/run/cdi")
+    broker_dir: Path | None = None
 
     @property
     def socket_name(self) -> str:
@@ -126,6 +127,11 @@ def absolute_path(text: str) -> Path:
     return Path(text)
 
 
+def optional_path(text: str) -> Path | None:
+    """An absolute path, or empty for "off"."""
+    return absolute_path(text) if text else None
+
+
 def choice(options: tuple[str, ...]) -> Callable[[str], str]:
     def check(text: str) -> str:
         if text.lower() not in options:
@@ -153,6 +159,9 @@ SERVE_FLAGS: tuple[tuple[str, Callable[[str], object], object, str], ...] = (
     ("--cdi", boolean, False,
      "also write a CDI spec and answer Allocate with its device name (Kubernetes 1.28+)"),
     ("--cdi-dir", absolute_path, Path("/var/run/cdi"), "where the CDI spec is written"),
+    ("--broker-dir", optional_path, None,
+     "broker mode: the broker's host directory, bound with its fusermount3 shim into "
+     "every container (docs/broker.md); empty: off"),
 )
 
 

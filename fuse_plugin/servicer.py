@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
@@ -33,7 +33,8 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
 
     def __init__(self, state: DeviceState, log: logging.Logger,
                  on_allocate: Callable[[int, float], None] | None = None,
-                 cdi_device: str | None = None) -> None:
+                 cdi_device: str | None = None,
+                 mounts: Sequence[api.Mount] = ()) -> None:
         self._state = state
         self._log = log
         # Called with (containers, seconds) after each successful Allocate (metrics).
@@ -56,7 +57,8 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
         self._container = api.ContainerAllocateResponse(
             devices=[api.DeviceSpec(container_path=CONTAINER_DEVICE,
                                     host_path=str(state.device), permissions="rw")],
-            cdi_devices=[api.CDIDevice(name=cdi_device)] if cdi_device else [])
+            cdi_devices=[api.CDIDevice(name=cdi_device)] if cdi_device else [],
+            mounts=mounts)
 
     @property
     def open_streams(self) -> int:

@@ -1,0 +1,152 @@
+"""Making and removing a caller's FUSE mount without running anything in its root.
+
+Mount: real ``fusermount3`` mounts on a staging directory in the broker's own private
+mount namespace. Its binary, loader, libraries, ``/etc/mtab`` and ``/bin/mount`` are
+all the broker's, never the container's (docs/broker.md says why that matters). The mount
+is cloned detached with ``open_tree``, the staging mount is dropped, ``nosuid,nodev`` and
+private propagation are forced on the clone, and a forked child ``setns``es into the
+caller's mount namespace and ``move_mount``s the clone onto the directory fd that was
+resolved in the caller's root. Unmount: a forked child enters the namespace and calls
+``umount2`` on the name inside the resolved parent.
+
+The children are forked from a single-threaded broker: ``setns`` into a mount namespace
+refuses a multi-threaded process, and the broker's own namespace is never changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import socket
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+from fuse_plugin.broker import kernel
+
+SAFE_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+STAGING_OPTIONS = "mode=0700,size=1m"
+
+
+class MountFailed(Exception):
+    """fusermount3 or the kernel said no; the message is one line for the caller."""
+
+
+class Mounter:
+    def __init__(self, fusermount: Path, staging: Path, timeout: float = 10.0) -> None:
+        self.fusermount = fusermount
+        self.staging = staging
+        self.timeout = timeout
+        self._count = 0
+
+    def prepare(self) -> None:
+        """Give the broker a private mount namespace with a tmpfs for staging, so that no
+        staging mount is ever seen (or propagated) outside it, and all of them vanish
+        with the broker if it is killed. Must run before the process has threads."""
+        kernel.unshare(kernel.CLONE_NEWNS)
+        kernel.mount(None, "/", None, kernel.MS_REC | kernel.MS_PRIVATE)
+        self.staging.mkdir(parents=True, exist_ok=True)
+        kernel.mount("fuse-broker-staging", str(self.staging), "tmpfs",
+                     kernel.MS_NOSUID | kernel.MS_NODEV | kernel.MS_NOEXEC, STAGING_OPTIONS)
+
+    def mount(self, ns_fd: int, target_fd: int, options: str) -> tuple[int, int]:
+        """Mount FUSE on ``target_fd`` in namespace ``ns_fd``: (the /dev/fuse fd, the new
+        mount's id)."""
+        self._count += 1
+        stage = self.staging / f"m{self._count}"
+        stage.mkdir(mode=0o700)
+        fuse_fd = tree = -1
+        try:
+            fuse_fd = self._fusermount(stage, options)
+            tree = kernel.open_tree_clone(str(stage))
+            kernel.umount2(str(stage), kernel.MNT_DETACH)
+            kernel.force_nosuid_nodev_private(tree)
+            mount_id = kernel.fd_mount_id(tree)
+            in_namespace(ns_fd, lambda: kernel.move_mount_onto(tree, target_fd),
+                         self.timeout)
+        except BaseException:
+            if fuse_fd != -1:
+                os.close(fuse_fd)
+            raise
+        finally:
+            # Not mounted any more (or never): EINVAL is the usual answer here.
+            with contextlib.suppress(OSError):
+                kernel.umount2(str(stage), kernel.MNT_DETACH)
+            if tree != -1:
+                os.close(tree)
+            with contextlib.suppress(OSError):
+                stage.rmdir()
+        return fuse_fd, mount_id
+
+    def unmount(self, ns_fd: int, parent_fd: int, name: str, lazy: bool) -> None:
+        flags = kernel.UMOUNT_NOFOLLOW | (kernel.MNT_DETACH if lazy else 0)
+
+        def act() -> None:
+            os.fchdir(parent_fd)
+            kernel.umount2(name, flags)
+
+        in_namespace(ns_fd, act, self.timeout)
+
+    def _fusermount(self, stage: Path, options: str) -> int:
+        """Run real fusermount3 with its own _FUSE_COMMFD socketpair; the fd it sends."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with ours, theirs:
+            try:
+                proc = subprocess.run(
+                    [str(self.fusermount), "-o", options, "--", str(stage)],
+                    env={"_FUSE_COMMFD": str(theirs.fileno()), "PATH": SAFE_PATH},
+                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                    capture_output=True, text=True, timeout=self.timeout, check=False)
+            except subprocess.TimeoutExpired:
+                raise MountFailed(f"fusermount3 did not finish within {self.timeout}s") \
+                    from None
+            theirs.close()
+            if proc.returncode != 0:
+                said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+                raise MountFailed(said[-1] if said else
+                                  f"fusermount3 exited {proc.returncode}")
+            ours.settimeout(self.timeout)
+            _, fds, _, _ = socket.recv_fds(ours, 1, 4)
+        for extra in fds[1:]:
+            os.close(extra)
+        if not fds:
+            raise MountFailed("fusermount3 sent no file descriptor")
+        return fds[0]
+
+
+def in_namespace(ns_fd: int, action: Callable[[], None], timeout: float) -> None:
+    """Run ``action`` in a forked child that has entered mount namespace ``ns_fd``;
+    ``MountFailed`` with the child's error, or when it passes ``timeout`` (it is killed:
+    a FUSE wait ends on a fatal signal)."""
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        code = 0
+        try:
+            os.close(read_end)
+            kernel.setns(ns_fd, kernel.CLONE_NEWNS)
+            action()
+        except OSError as err:
+            os.write(write_end, str(err.strerror or err).encode()[:500])
+            code = 1
+        except BaseException as err:
+            os.write(write_end, repr(err).encode()[:500])
+            code = 2
+        os._exit(code)
+    os.close(write_end)
+    pidfd = os.pidfd_open(pid)
+    try:
+        finished, _, _ = select.select([pidfd], [], [], timeout)
+        if not finished:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        message = os.read(read_end, 600).decode(errors="replace")
+    finally:
+        os.close(pidfd)
+        os.close(read_end)
+    if not finished:
+        raise MountFailed(f"the mount namespace step did not finish within {timeout}s")
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise MountFailed(message or f"the mount namespace step failed ({status})")
