@@ -75,7 +75,7 @@ class Caller:
         try:
             return self._keep(kernel.openat2(
                 self.root_fd, path.lstrip("/") or ".",
-                os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW,
+                os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC,
                 kernel.RESOLVE_IN_ROOT | kernel.RESOLVE_NO_SYMLINKS
                 | kernel.RESOLVE_NO_MAGICLINKS))
         except OSError as err:

@@ -135,6 +135,8 @@ class Broker:
                           f"{err.strerror} (the broker needs CAP_SYS_ADMIN)") from None
         try:
             settings.directory.mkdir(parents=True, exist_ok=True)
+            # Every container user must reach the socket through the directory's bind.
+            settings.directory.chmod(0o755)
             shim = settings.directory / protocol.SHIM_NAME
             files.commit(files.staged(shim, settings.shim.read_bytes(), 0o755), shim)
             self._listen()

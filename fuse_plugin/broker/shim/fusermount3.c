@@ -81,10 +81,12 @@ static const char *field(const char *buf, size_t len, const char *key)
 }
 
 /*
- * The mountpoint as fusermount3 resolves it: the parent through realpath, then the last
- * component as given (so a dead FUSE mount, which fails stat, can still be unmounted).
+ * The mountpoint in the container's own view, with no symlink left in it (the broker
+ * refuses any). To mount, the whole path, as mount(2) would follow it. To unmount, the
+ * parent through realpath and the last component as given, as fusermount3 does: a dead
+ * FUSE mount fails stat and must still be unmountable.
  */
-static void resolve(const char *mountpoint, char *out)
+static void resolve(const char *mountpoint, int whole, char *out)
 {
 	char copy[PATH_MAX], parent[PATH_MAX];
 	char *slash, *last;
@@ -92,6 +94,11 @@ static void resolve(const char *mountpoint, char *out)
 
 	if (len == 0 || len >= sizeof(copy))
 		fail("bad mountpoint '%s'", mountpoint);
+	if (whole) {
+		if (!realpath(mountpoint, out))
+			fail("bad mountpoint '%s': %s", mountpoint, strerror(errno));
+		return;
+	}
 	memcpy(copy, mountpoint, len + 1);
 	while (len > 1 && copy[len - 1] == '/')
 		copy[--len] = '\0';
@@ -327,7 +334,7 @@ int main(int argc, char *argv[])
 		fail("missing mountpoint argument");
 	if (argc > optind + 1)
 		fail("extra arguments after the mountpoint");
-	resolve(argv[optind], path);
+	resolve(argv[optind], !unmount, path);
 
 	if (unmount) {
 		request("unmount", path, NULL, lazy ? "lazy" : "", NULL, reply, &reply_len);
