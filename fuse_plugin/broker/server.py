@@ -128,6 +128,11 @@ class Broker:
         for what, path in (("--shim", settings.shim), ("--fusermount", settings.fusermount)):
             if not os.access(path, os.X_OK) or not path.is_file():
                 raise Failure(f"{what} {path} is not an executable file", EXIT_USAGE)
+        if settings.fusermount.read_bytes() == settings.shim.read_bytes():
+            # In its own pod the broker gets broker mode's Allocate too, which binds the
+            # shim over /usr/bin/fusermount3: it would be asking itself.
+            raise Failure(f"--fusermount {settings.fusermount} is the broker's own shim; "
+                          "point it at the real fusermount3", EXIT_USAGE)
         try:
             self.mounter.prepare()
         except OSError as err:

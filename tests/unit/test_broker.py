@@ -276,9 +276,11 @@ def broker_command(tmp_path: Path, shim: Path, *extra: str) -> list[str]:
     (("--dir", "relative"), "--dir: must be an absolute path"),
     (("--fusermount", "/nonexistent/fusermount3"),
      "--fusermount /nonexistent/fusermount3 is not an executable file"),
+    (("--fusermount", "SHIM"), "is the broker's own shim; point it at the real fusermount3"),
 ])
 def test_broker_bad_flags_exit_2_with_one_line(shim: Path, tmp_path: Path,
                                                extra: tuple[str, ...], message: str) -> None:
+    extra = tuple(a.replace("SHIM", str(shim)) for a in extra)
     result = subprocess.run(broker_command(tmp_path, shim, *extra), capture_output=True,
                             text=True, timeout=30, check=False)
     assert result.returncode == 2
