@@ -3,9 +3,9 @@
 #
 #   docker build -t fuse-device-plugin:0.1.0 .
 #
-# Stage 1 builds the wheel and broker mode's fusermount3 shim (static, musl); stage 2 is a
-# slim Python with only that wheel, its runtime dependencies (all binary wheels: no
-# compiler), the shim, apparmor_parser and fuse3. No build tools, pip cache or apt lists
+# Stage 1 builds the wheel and broker mode's two static programs (musl); stage 2 is a slim
+# Python with only that wheel, its runtime dependencies (all binary wheels: no compiler),
+# those two programs, apparmor_parser and fuse3. No build tools, pip cache or apt lists
 # are left in the final image.
 
 ARG PYTHON_IMAGE=python:3.11-slim
@@ -15,12 +15,13 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY fuse_plugin ./fuse_plugin
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
-# The shim runs inside arbitrary workload images: static, no loader, no NSS.
+# Broker mode's fusermount3 shim (runs inside arbitrary workload images) and
+# fuse-broker-enter: static, no loader, no NSS.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc musl-tools \
     && rm -rf /var/lib/apt/lists/*
-COPY scripts/build-shim ./scripts/build-shim
-RUN scripts/build-shim /shim/fusermount3
+COPY scripts/build-native ./scripts/build-native
+RUN scripts/build-native /native
 
 FROM ${PYTHON_IMAGE}
 ARG VERSION=0.1.0
@@ -40,7 +41,7 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && install -D -m 0755 /usr/bin/fusermount3 \
         /usr/local/libexec/fuse-device-plugin/real/fusermount3
-COPY --from=builder /shim/fusermount3 /usr/local/libexec/fuse-device-plugin/fusermount3
+COPY --from=builder /native/ /usr/local/libexec/fuse-device-plugin/
 COPY --from=builder /wheels/fuse_device_plugin-0.1.0-py3-none-any.whl /tmp/
 RUN pip install --no-cache-dir /tmp/fuse_device_plugin-0.1.0-py3-none-any.whl \
     && rm /tmp/fuse_device_plugin-0.1.0-py3-none-any.whl \

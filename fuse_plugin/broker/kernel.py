@@ -1,8 +1,9 @@
 """The Linux calls the broker needs and Python's ``os`` lacks, through ctypes.
 
-openat2, open_tree, move_mount and mount_setattr have one number on every architecture
+(The step inside a caller's namespace, setns and move_mount or umount2, is
+native/enter.c.) openat2, open_tree and mount_setattr have one number on every architecture
 (they came after the syscall tables were unified at 424), so calling them through
-``syscall(2)`` is portable. setns, unshare, mount and umount2 are older and have
+``syscall(2)`` is portable. unshare, mount and umount2 are older and have
 per-architecture numbers, so they go through their glibc wrappers. Every failure is an
 ``OSError`` with the errno, as in ``os``.
 """
@@ -16,7 +17,6 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 SYS_OPEN_TREE = 428
-SYS_MOVE_MOUNT = 429
 SYS_OPENAT2 = 437
 SYS_MOUNT_SETATTR = 442
 
@@ -29,11 +29,8 @@ MS_NOSUID = 0x2
 MS_NODEV = 0x4
 MS_NOEXEC = 0x8
 MNT_DETACH = 0x2
-UMOUNT_NOFOLLOW = 0x8
 OPEN_TREE_CLONE = 1
 OPEN_TREE_CLOEXEC = os.O_CLOEXEC
-MOVE_MOUNT_F_EMPTY_PATH = 0x4
-MOVE_MOUNT_T_EMPTY_PATH = 0x40
 MOUNT_ATTR_NOSUID = 0x2
 MOUNT_ATTR_NODEV = 0x4
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -75,24 +72,12 @@ def open_tree_clone(path: str) -> int:
                     ctypes.c_uint(OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC))
 
 
-def move_mount_onto(tree_fd: int, target_fd: int) -> None:
-    """Attach the detached mount ``tree_fd`` on the directory ``target_fd``; the target
-    must be in the calling process's mount namespace."""
-    _syscall(SYS_MOVE_MOUNT, "move_mount", ctypes.c_int(tree_fd), b"",
-             ctypes.c_int(target_fd), b"",
-             ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH))
-
-
 def force_nosuid_nodev_private(tree_fd: int) -> None:
     attr = _MountAttr(attr_set=MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, attr_clr=0,
                       propagation=MS_PRIVATE, userns_fd=0)
     _syscall(SYS_MOUNT_SETATTR, "mount_setattr", ctypes.c_int(tree_fd), b"",
              ctypes.c_uint(AT_EMPTY_PATH), ctypes.byref(attr),
              ctypes.c_size_t(ctypes.sizeof(attr)))
-
-
-def setns(fd: int, kind: int) -> None:
-    _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(kind)), "setns")
 
 
 def unshare(flags: int) -> None:

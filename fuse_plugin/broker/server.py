@@ -4,9 +4,8 @@ One single-threaded loop (``selectors``) serves a ``SOCK_SEQPACKET`` socket in t
 directory, which Allocate binds into containers. Each connection carries one request and
 gets one reply. A connection is identified when it is accepted, and its request is
 handled once it has arrived in full, so a client that connects and stays silent holds
-nothing but its own slot until the deadline. Single-threaded on purpose: the namespace
-steps fork, and forking is only safe without threads. Each request is short (one
-fusermount3 run, one forked child, each with a deadline).
+nothing but its own slot until the deadline. Each request is short: one fusermount3 run and
+one fuse-broker-enter run, each with a deadline.
 
 Every request is logged in one line: ``broker.mount``, ``broker.unmount``,
 ``broker.refused`` (policy) or ``broker.failed`` (fusermount3 or the kernel said no).
@@ -37,6 +36,8 @@ DEFAULT_SHIM = Path("/usr/local/libexec/fuse-device-plugin/fusermount3")
 DEFAULT_FUSERMOUNT = Path("/usr/bin/fusermount3")
 DEFAULT_STAGING = Path("/run/fuse-broker-staging")
 DEFAULT_MAX_MOUNTS = 32
+# Built with the shim (scripts/build-native) and looked for beside it.
+ENTER_NAME = "fuse-broker-enter"
 MAX_CONNECTIONS = 64
 REQUEST_DEADLINE = 5.0  # seconds from accept to a complete request
 
@@ -64,8 +65,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                         help="host directory for the socket and the shim; the plugin's "
                              f"--broker-dir (default: {DEFAULT_DIR})")
     parser.add_argument("--shim", type=config.absolute_path, default=DEFAULT_SHIM,
-                        help=f"the built fusermount3 shim to install there "
-                             f"(default: {DEFAULT_SHIM})")
+                        help=f"the built fusermount3 shim to install there; {ENTER_NAME} "
+                             f"must be beside it (default: {DEFAULT_SHIM})")
     parser.add_argument("--fusermount", type=config.absolute_path,
                         default=DEFAULT_FUSERMOUNT,
                         help=f"the real fusermount3 (default: {DEFAULT_FUSERMOUNT})")
@@ -112,7 +113,8 @@ class Broker:
         self.settings = settings
         self.log = log
         self.socket_path = settings.directory / protocol.SOCKET_NAME
-        self.mounter = Mounter(settings.fusermount, settings.staging)
+        self.enter = settings.shim.parent / ENTER_NAME
+        self.mounter = Mounter(settings.fusermount, self.enter, settings.staging)
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
         self._inode = 0
@@ -125,7 +127,8 @@ class Broker:
     def start(self) -> None:
         """Check the inputs, take a private namespace, install the shim, listen."""
         settings = self.settings
-        for what, path in (("--shim", settings.shim), ("--fusermount", settings.fusermount)):
+        for what, path in (("--shim", settings.shim), ("--fusermount", settings.fusermount),
+                           (f"{ENTER_NAME} (beside --shim)", self.enter)):
             if not os.access(path, os.X_OK) or not path.is_file():
                 raise Failure(f"{what} {path} is not an executable file", EXIT_USAGE)
         if settings.fusermount.read_bytes() == settings.shim.read_bytes():
@@ -304,13 +307,14 @@ class Broker:
                 f"{failed.strerror or failed}"
             reply = protocol.encode(status="error", message=f"broker: {text}")
             event, level, fields["reason"] = "broker.failed", logging.ERROR, text
+        # Logged before the reply: whoever sees the answer can already find its line.
+        fields["duration_ms"] = round((time.perf_counter() - started) * 1000, 2)
+        logs.event(self.log, event, level, **fields)
         try:
             self._reply(conn, reply, (fuse_fd,) if fuse_fd != -1 else ())
         finally:
             if fuse_fd != -1:
                 os.close(fuse_fd)
-        fields["duration_ms"] = round((time.perf_counter() - started) * 1000, 2)
-        logs.event(self.log, event, level, **fields)
 
     def _mount(self, who: callers.Caller, request: protocol.Request) -> tuple[int, int]:
         path = policy.path(request.path)

@@ -1,5 +1,6 @@
-"""Broker mode's real parts for the tests and the benchmark: the fusermount3 shim built
-by the project's own script (cached outside the work tree by a hash of its source), the
+"""Broker mode's real parts for the tests and the benchmark: the fusermount3 shim and
+fuse-broker-enter built by the project's own script (cached outside the work tree by a
+hash of their sources), the
 real ``fuse-device-plugin broker`` process, and the plugin's broker-mode Allocate answer.
 """
 
@@ -20,24 +21,27 @@ from tests.containers.servers import stop_process
 from tests.containers.workloads import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIM_SOURCE = ROOT / "fuse_plugin" / "broker" / "shim" / "fusermount3.c"
-BUILD_SCRIPT = ROOT / "scripts" / "build-shim"
-CACHE = Path("/var/cache/fuse-device-plugin/shim")
+NATIVE = ROOT / "fuse_plugin" / "broker" / "native"
+SHIM_SOURCE = NATIVE / "fusermount3.c"
+BUILD_SCRIPT = ROOT / "scripts" / "build-native"
+CACHE = Path("/var/cache/fuse-device-plugin/native")
 CLIENT = Path(__file__).with_name("broker_client.py")
 # Where the raw client is bound inside a container.
 CLIENT_IN_CONTAINER = "/opt/broker-client/broker_client.py"
 
 
 def shim(cache: Path = CACHE) -> Path:
-    """The shim built by scripts/build-shim, rebuilt only when its source changes."""
-    digest = hashlib.sha256(SHIM_SOURCE.read_bytes() + BUILD_SCRIPT.read_bytes())
-    out = cache / digest.hexdigest()[:16] / protocol.SHIM_NAME
-    if not out.exists():
+    """The shim built by scripts/build-native (fuse-broker-enter beside it), rebuilt only
+    when a source changes."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in
+                                     (*sorted(NATIVE.glob("*.c")), BUILD_SCRIPT)))
+    out = cache / digest.hexdigest()[:16]
+    if not (out / protocol.SHIM_NAME).exists():
         result = subprocess.run([str(BUILD_SCRIPT), str(out)], capture_output=True,
                                 text=True, timeout=120, check=False)
         if result.returncode != 0:
-            raise AssertionError(f"scripts/build-shim failed: {result.stderr}")
-    return out
+            raise AssertionError(f"scripts/build-native failed: {result.stderr}")
+    return out / protocol.SHIM_NAME
 
 
 class BrokerProcess:

@@ -163,8 +163,9 @@ def test_auto_unmount_when_the_daemon_dies(
     [mounted] = broker.events("broker.mount")
     assert "auto_unmount" not in mounted["options"]
     container.exec("pkill", "-KILL", "-x", "squashfuse").check()
-    workloads.wait_for(lambda: container.mounts() == [], 10,
-                       "the shim to have the dead mount unmounted")
+    # The shim's request is not waited for by anyone here: wait for both its effects.
+    workloads.wait_for(lambda: container.mounts() == [] and broker.events("broker.unmount"),
+                       10, "the shim to have the dead mount unmounted")
     [unmounted] = broker.events("broker.unmount")
     assert unmounted["mount_id"] == mounted["mount_id"]
 

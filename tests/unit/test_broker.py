@@ -1,5 +1,5 @@
 """Broker mode without containers: the wire format, every policy rule as a function, the
-shim built by scripts/build-shim and run for its own errors, the broker process's start,
+shim built by scripts/build-native and run for its own errors, the broker process's start,
 stop and restart, and the plugin's broker-mode Allocate answer over its real socket."""
 
 from __future__ import annotations

@@ -203,10 +203,11 @@ def test_image_ships_the_shim_and_a_real_fusermount3_where_the_broker_looks() ->
 
     assert BUILDER is not None
     assert RUNTIME is not None
-    [build] = [r.value for r in BUILDER.all("RUN") if "scripts/build-shim" in r.value]
+    [build] = [r.value for r in BUILDER.all("RUN") if "scripts/build-native" in r.value]
     built = build.split()[-1]
     [copy] = [c.value for c in RUNTIME.all("COPY") if built in c.value]
-    assert copy.split() == ["--from=builder", built, str(server.DEFAULT_SHIM)]
+    source, target = copy.split()[1:]
+    assert (source.rstrip("/"), target.rstrip("/")) == (built, str(server.DEFAULT_SHIM.parent))
     [container] = containers(DAEMONSET)
     args = cli.build_parser().parse_args(container["args"])
     [install] = [r.value for r in RUNTIME.all("RUN") if " fuse3" in r.value]
