@@ -235,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         "broker_side_mount_ms": broker_side,
         "figures": [row.__dict__ for row in table],
     }
+    busy = load_before[0] / (os.cpu_count() or 1)
+    if busy > 0.75:
+        print(f"\nwarning: the machine was busy before the run (1-minute load "
+              f"{load_before[0]:.1f} on {os.cpu_count()} CPUs): the broker's path has four "
+              "processes take turns on a CPU (the shim, the broker, fusermount3, "
+              "fuse-broker-enter), so its mount latency grows with load")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(f"\nJSON: {args.out}")
