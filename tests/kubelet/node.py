@@ -53,7 +53,7 @@ RESOURCE = "github.com/fuse"
 RUN_ANNOTATION = "fuse-device-plugin.e2e/run"
 
 # teardown order: consumers before what they consume
-STOP_ORDER = ["kubelet", "plugin", "sshd", "installer", "containerd"]
+STOP_ORDER = ["kubelet", "plugin", "broker", "sshd", "installer", "containerd"]
 
 T = TypeVar("T")
 
@@ -308,7 +308,7 @@ class Node:
         self.start_kubelet()
 
     # ---- our plugin
-    def plugin_argv(self, slots: int) -> list[str]:
+    def plugin_argv(self, slots: int, *extra: str) -> list[str]:
         return [
             str(self.plugin_bin),
             "serve",
@@ -318,12 +318,14 @@ class Node:
             "/dev/fuse",
             "--slots",
             str(slots),
+            *extra,
         ]
 
-    def start_plugin(self, slots: int) -> int:
-        """Start the plugin; returns the kubelet log offset before it started."""
+    def start_plugin(self, slots: int, *extra: str) -> int:
+        """Start the plugin (``extra``: more serve flags); returns the kubelet log offset
+        before it started."""
         off = log_size(LOGDIR / "kubelet.log")
-        self.spawn("plugin", self.plugin_argv(slots))
+        self.spawn("plugin", self.plugin_argv(slots, *extra))
         return off
 
     # ---- pods
@@ -386,7 +388,7 @@ class Node:
         return "\n".join(out)
 
     # ---- whole node
-    def up(self, slots: int | None = None) -> None:
+    def up(self, slots: int | None = None, plugin_args: tuple[str, ...] = ()) -> None:
         self.down(quiet=True)
         LOGDIR.mkdir(parents=True, exist_ok=True)
         for n in ["containerd", "kubelet", "plugin"]:
@@ -394,7 +396,7 @@ class Node:
                 (LOGDIR / f"{n}.log").unlink()
         self.start_containerd()
         if slots is not None:
-            self.start_plugin(slots)
+            self.start_plugin(slots, *plugin_args)
         self.start_kubelet()
 
     def down(self, quiet: bool = False) -> None:
