@@ -107,8 +107,9 @@ def test_one_line_pod_mounts_sshfs_through_the_broker(
              {"name": "KEY", "value": (sshd["dir"] / "keys" / "client").read_text()},
              {"name": "PAYLOAD", "value": payload},
              {"name": "POD_NAME", "value": name}]))
-    # Kubelet 1.20 runs pods Unconfined unless told: ask for what a baseline namespace
-    # would typically give. Nothing else in the pod is about FUSE.
+    # Kubelet 1.20 runs pods Unconfined unless told. RuntimeDefault is what broker-mode
+    # pods set (on AppArmor nodes it is what makes mount(2) fail with EPERM, the errno on
+    # which libfuse asks fusermount3). Nothing else in the pod is about FUSE.
     spec["securityContext"] = {"seccompProfile": {"type": "RuntimeDefault"}}
     assert baseline_violations({"kind": "Pod", "spec": spec}) == [
         "host namespace hostNetwork"]  # this node has no CNI
