@@ -346,3 +346,16 @@ def test_bad_broker_dir_exits_2(env: dict[str, str], args: list[str], message: s
     assert result.returncode == 2
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_broker_command_imports_no_more_than_the_standard_library() -> None:
+    """The broker runs from a plain python3 (the AppArmor guest has no venv): parsing its
+    command line must not pull in watchdog, grpc or the profile modules."""
+    code = ("import sys; from fuse_plugin import cli; "
+            "cli.build_parser(all_flags=False, broker_flags=True).parse_args(['broker']); "
+            "from fuse_plugin.broker import server; "
+            "print(sorted(m for m in ('watchdog', 'grpc', 'fuse_plugin.profiles', "
+            "'fuse_plugin.doctor', 'google.protobuf') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=30, check=True)
+    assert result.stdout.strip() == "[]"
