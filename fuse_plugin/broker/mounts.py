@@ -40,6 +40,7 @@ class Mounter:
         self.staging = staging
         self.timeout = timeout
         self._count = 0
+        self._stragglers: list[subprocess.Popen[str]] = []
 
     def prepare(self) -> None:
         """Give the broker a private mount namespace with a tmpfs for staging, so that no
@@ -83,39 +84,19 @@ class Mounter:
         self._enter("unmount", ns_fd, parent_fd, name=name, lazy=lazy)
 
     def _enter(self, op: str, *fds: int, name: str = "", lazy: bool = False) -> None:
-        """Run fuse-broker-enter with ``fds``; ``MountFailed`` with its one line, or when
-        it passes the deadline (it is killed: a wait on a FUSE daemon ends on SIGKILL)."""
+        """Run fuse-broker-enter with ``fds``; ``MountFailed`` with its one line."""
         args = [str(self.enter), op, *map(str, fds), *([name] if name else []),
                 *(["lazy"] if lazy else [])]
-        try:
-            proc = subprocess.run(args, pass_fds=fds, env={}, stdin=subprocess.DEVNULL,
-                                  capture_output=True, text=True, timeout=self.timeout,
-                                  check=False)
-        except subprocess.TimeoutExpired:
-            raise MountFailed(f"the {op} step in the caller's namespace did not finish "
-                              f"within {self.timeout}s") from None
-        if proc.returncode != 0:
-            raise MountFailed(proc.stderr.strip() or f"fuse-broker-enter {op} exited "
-                              f"{proc.returncode}")
+        self._run(args, f"the {op} step in the caller's namespace", fds, {})
 
     def _fusermount(self, stage: Path, options: str) -> int:
         """Run real fusermount3 with its own _FUSE_COMMFD socketpair; the fd it sends."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with ours, theirs:
-            try:
-                proc = subprocess.run(
-                    [str(self.fusermount), "-o", options, "--", str(stage)],
-                    env={"_FUSE_COMMFD": str(theirs.fileno()), "PATH": SAFE_PATH},
-                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                    capture_output=True, text=True, timeout=self.timeout, check=False)
-            except subprocess.TimeoutExpired:
-                raise MountFailed(f"fusermount3 did not finish within {self.timeout}s") \
-                    from None
+            self._run([str(self.fusermount), "-o", options, "--", str(stage)], "fusermount3",
+                      (theirs.fileno(),),
+                      {"_FUSE_COMMFD": str(theirs.fileno()), "PATH": SAFE_PATH})
             theirs.close()
-            if proc.returncode != 0:
-                said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-                raise MountFailed(said[-1] if said else
-                                  f"fusermount3 exited {proc.returncode}")
             ours.settimeout(self.timeout)
             _, fds, _, _ = socket.recv_fds(ours, 1, 4)
         for extra in fds[1:]:
@@ -124,3 +105,29 @@ class Mounter:
             raise MountFailed("fusermount3 sent no file descriptor")
         return fds[0]
 
+    def _run(self, args: list[str], what: str, fds: tuple[int, ...],
+             env: dict[str, str]) -> None:
+        """Run a helper to its end or its deadline; ``MountFailed`` with its last line.
+
+        At the deadline it is SIGKILLed and left to ``reap``, not waited for: a process
+        stuck on a container's FUSE daemon (an unmount flushing to a daemon that never
+        answers) may not die until that daemon's connection goes, and the broker must not
+        wait with it."""
+        proc = subprocess.Popen(args, pass_fds=fds, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            _, err = proc.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            if proc.stderr is not None:
+                proc.stderr.close()
+            self._stragglers.append(proc)
+            raise MountFailed(f"{what} did not finish within {self.timeout}s") from None
+        if proc.returncode != 0:
+            said = err.strip().splitlines()
+            raise MountFailed(said[-1] if said else f"{what} exited {proc.returncode}")
+
+    def reap(self) -> int:
+        """Collect helpers killed at their deadline that have died since; how many remain."""
+        self._stragglers = [p for p in self._stragglers if p.poll() is None]
+        return len(self._stragglers)

@@ -213,6 +213,7 @@ class Broker:
                     else:
                         self._receive(key.data)
                 self._expire()
+                self.mounter.reap()
         finally:
             self._close()
         return 0
@@ -224,6 +225,10 @@ class Broker:
                 sock, _ = self._listener.accept()
             except BlockingIOError:
                 return
+            except OSError as err:  # out of fds: the request waits in the backlog
+                logs.event(self.log, "broker.accept_failed", logging.ERROR,
+                           reason=err.strerror or str(err))
+                return
             sock.setblocking(False)
             conn = _Connection(sock, None, "", time.monotonic() + REQUEST_DEADLINE)
             if len(self._connections) >= MAX_CONNECTIONS:
@@ -234,6 +239,8 @@ class Broker:
                     conn.caller = callers.identify(sock)
                 except policy.Refused as refused:
                     conn.refusal = str(refused)
+                except OSError as err:
+                    conn.refusal = f"cannot identify the caller: {err.strerror or err}"
             self._connections[sock.fileno()] = conn
             self._selector.register(sock, selectors.EVENT_READ, conn)
 
@@ -305,6 +312,10 @@ class Broker:
         except (MountFailed, OSError) as failed:
             text = str(failed) if isinstance(failed, MountFailed) else \
                 f"{failed.strerror or failed}"
+            reply = protocol.encode(status="error", message=f"broker: {text}")
+            event, level, fields["reason"] = "broker.failed", logging.ERROR, text
+        except Exception as bug:  # one request must never take the node's broker down
+            text = f"internal error ({type(bug).__name__}: {bug})"
             reply = protocol.encode(status="error", message=f"broker: {text}")
             event, level, fields["reason"] = "broker.failed", logging.ERROR, text
         # Logged before the reply: whoever sees the answer can already find its line.

@@ -359,3 +359,17 @@ def test_broker_command_imports_no_more_than_the_standard_library() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=30, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_a_helper_past_its_deadline_is_killed_and_reaped_later(tmp_path: Path) -> None:
+    from fuse_plugin.broker.mounts import Mounter, MountFailed
+    from tests.containers.workloads import wait_for
+
+    mounter = Mounter(Path("/usr/bin/fusermount3"), Path("/bin/false"), tmp_path,
+                      timeout=0.2)
+    with pytest.raises(MountFailed, match=r"^slow helper did not finish within 0.2s$"):
+        mounter._run(["sleep", "30"], "slow helper", (), {})
+    wait_for(lambda: mounter.reap() == 0, 10, "the killed helper to be reaped")
+    with pytest.raises(MountFailed, match=r"^the step said no$"):
+        mounter._run(["sh", "-c", "echo noise >&2; echo 'the step said no' >&2; exit 3"],
+                     "step", (), {"PATH": "/usr/bin:/bin"})
