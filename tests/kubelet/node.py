@@ -127,6 +127,14 @@ class Node:
                 log(f"waiting for another e2e run holding {DATA / 'lock'}")
                 fcntl.flock(self._lockf, fcntl.LOCK_EX)
 
+    def release(self) -> None:
+        """Give up the e2e lock taken in __init__, so that another Node may run. flock
+        locks belong to the open file: a second Node in this same process (the next test
+        module's) would otherwise wait for this one forever."""
+        if self._lockf is not None:
+            self._lockf.close()
+            self._lockf = None
+
     # ---- recorded processes
     def spawn(
         self,

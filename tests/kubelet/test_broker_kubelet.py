@@ -82,6 +82,7 @@ def kube_node() -> Iterator[Any]:
         yield node
     finally:
         node.down()
+        node.release()
 
 
 def broker_events(node: Any, name: str) -> list[dict[str, Any]]:
