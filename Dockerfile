@@ -3,9 +3,10 @@
 #
 #   docker build -t fuse-device-plugin:0.1.0 .
 #
-# Stage 1 builds the wheel; stage 2 is a slim Python with only that wheel, its runtime
-# dependencies (all binary wheels: no compiler) and apparmor_parser. No build tools, pip
-# cache or apt lists are left in the final image.
+# Stage 1 builds the wheel and broker mode's two static programs (musl); stage 2 is a slim
+# Python with only that wheel, its runtime dependencies (all binary wheels: no compiler),
+# those two programs, apparmor_parser and fuse3. No build tools, pip cache or apt lists
+# are left in the final image.
 
 ARG PYTHON_IMAGE=python:3.11-slim
 
@@ -14,6 +15,13 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY fuse_plugin ./fuse_plugin
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+# Broker mode's fusermount3 shim (runs inside arbitrary workload images) and
+# fuse-broker-enter: static, no loader, no NSS.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc musl-tools \
+    && rm -rf /var/lib/apt/lists/*
+COPY scripts/build-native ./scripts/build-native
+RUN scripts/build-native /native
 
 FROM ${PYTHON_IMAGE}
 ARG VERSION=0.1.0
@@ -26,9 +34,14 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 # apparmor_parser: `install-profiles` loads the AppArmor profiles with it. The plugin
 # never runs it (and has no capability that would let it load anything).
+# fuse3: the real fusermount3 that `broker` runs. Its pod's own allocation binds the shim
+# over /usr/bin/fusermount3, so the broker runs a copy kept beside the shim.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends apparmor \
-    && rm -rf /var/lib/apt/lists/*
+    && apt-get install -y --no-install-recommends apparmor fuse3 \
+    && rm -rf /var/lib/apt/lists/* \
+    && install -D -m 0755 /usr/bin/fusermount3 \
+        /usr/local/libexec/fuse-device-plugin/real/fusermount3
+COPY --from=builder /native/ /usr/local/libexec/fuse-device-plugin/
 COPY --from=builder /wheels/fuse_device_plugin-0.1.0-py3-none-any.whl /tmp/
 RUN pip install --no-cache-dir /tmp/fuse_device_plugin-0.1.0-py3-none-any.whl \
     && rm /tmp/fuse_device_plugin-0.1.0-py3-none-any.whl \

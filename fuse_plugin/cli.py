@@ -89,6 +89,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return lifecycle.run()
 
 
+def cmd_broker(args: argparse.Namespace) -> int:
+    from fuse_plugin.broker import server
+
+    return server.command(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from fuse_plugin.sim import demo
 
@@ -113,9 +119,10 @@ def cmd_install_profiles(args: argparse.Namespace) -> int:
     return command.install_profiles(args)
 
 
-def build_parser(all_flags: bool = True) -> argparse.ArgumentParser:
-    """The whole CLI. ``all_flags=False`` leaves out the flags of doctor, profile and
-    install-profiles (and the imports behind them): enough to parse a serve command."""
+def build_parser(all_flags: bool = True, broker_flags: bool = False) -> argparse.ArgumentParser:
+    """The whole CLI. ``all_flags=False`` leaves out the flags of doctor, profile,
+    install-profiles and broker (and the imports behind them): enough to parse a serve
+    command; ``broker_flags`` adds the broker's back."""
     parser = _Parser(prog="fuse-device-plugin", description=(
         "Kubernetes device plugin for github.com/fuse: pods get /dev/fuse without "
         "privileged: true, with least-privilege AppArmor and seccomp profiles."))
@@ -146,6 +153,13 @@ def build_parser(all_flags: bool = True) -> argparse.ArgumentParser:
         "install-profiles", help="install the profiles on this node from DIR (a ConfigMap) "
                                  "and reload them when it changes")
     install.set_defaults(func=cmd_install_profiles)
+    broker = commands.add_parser(
+        "broker", help="run the node's FUSE mount broker (broker mode, docs/broker.md)")
+    broker.set_defaults(func=cmd_broker)
+    if all_flags or broker_flags:
+        from fuse_plugin.broker import server as broker_server
+
+        broker_server.add_flags(broker)
     if all_flags:
         from fuse_plugin import doctor as doctor_flags
         from fuse_plugin.profiles import command as profile_flags
@@ -160,9 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # gRPC's C core logs in its own format to stderr; ours are the only lines users need.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     argv = sys.argv[1:] if argv is None else list(argv)
-    # serve parses only its own flags: the node's long-running process need not import
-    # the profile and doctor modules (~15 ms of start-up).
-    args = build_parser(all_flags=argv[:1] != ["serve"]).parse_args(argv)
+    # serve and broker parse only their own flags: the node's long-running processes need
+    # not import the profile and doctor modules (~15 ms of start-up, and watchdog).
+    args = build_parser(all_flags=argv[:1] not in (["serve"], ["broker"]),
+                        broker_flags=argv[:1] == ["broker"]).parse_args(argv)
     try:
         code: int = args.func(args)
     except Failure as err:

@@ -53,6 +53,7 @@ class Settings:
     metrics_address: str = "0.0.0.0"
     cdi: bool = False
     cdi_dir: Path = DEFAULT_CDI_DIR
+    broker_dir: Path | None = None
 
     @property
     def socket_name(self) -> str:
@@ -154,6 +155,11 @@ def plugin_dir(text: str) -> Path:
     return path
 
 
+def optional_path(text: str) -> Path | None:
+    """An absolute path, or empty for "off"."""
+    return absolute_path(text) if text else None
+
+
 def choice(options: tuple[str, ...]) -> Callable[[str], str]:
     def check(text: str) -> str:
         if text.lower() not in options:
@@ -179,6 +185,9 @@ SERVE_FLAGS: tuple[tuple[str, Callable[[str], object], str], ...] = (
     ("--cdi", boolean,
      "also write a CDI spec and answer Allocate with its device name (Kubernetes 1.28+)"),
     ("--cdi-dir", absolute_path, "where the CDI spec is written"),
+    ("--broker-dir", optional_path,
+     "broker mode: the broker's host directory, bound with its fusermount3 shim into "
+     "every container (docs/broker.md); empty: off"),
 )
 
 

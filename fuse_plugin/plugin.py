@@ -13,8 +13,10 @@ import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from fuse_plugin import logs
+from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.config import Settings
 from fuse_plugin.devices import DeviceState, Prober, probe
 from fuse_plugin.errors import EXIT_USAGE, Failure
@@ -56,8 +58,9 @@ def assembled(settings: Settings, log: logging.Logger, prober: Prober = probe
             logs.event(log, "cdi.spec_written", path=str(spec), device=cdi_device)
             stack.callback(logs.event, log, "cdi.spec_removed", path=str(spec))
             stack.callback(cdi.remove_spec, spec)
-        lifecycle = Lifecycle(settings, state,
-                              FusePlugin(state, log, stats, cdi_device=cdi_device), log, stats)
+        servicer = FusePlugin(state, log, stats, cdi_device=cdi_device,
+                              mounts=_broker_mounts(settings.broker_dir))
+        lifecycle = Lifecycle(settings, state, servicer, log, stats)
         port = None
         if settings.metrics_port:
             from fuse_plugin.metrics import MetricsServer
@@ -76,6 +79,17 @@ def assembled(settings: Settings, log: logging.Logger, prober: Prober = probe
             port = metrics.port
             logs.event(log, "metrics.serving", address=settings.metrics_address, port=port)
         yield Plugin(lifecycle, stats, port)
+
+
+def _broker_mounts(broker_dir: Path | None) -> list[api.Mount]:
+    """Broker mode (--broker-dir): the socket's directory and the fusermount3 shim,
+    read-only, in every container (docs/broker.md)."""
+    if broker_dir is None:
+        return []
+    from fuse_plugin.broker import protocol
+
+    return [api.Mount(container_path=inside, host_path=host, read_only=True)
+            for inside, host in protocol.container_mounts(broker_dir)]
 
 
 @contextmanager

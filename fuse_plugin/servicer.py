@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 import grpc
@@ -37,7 +37,7 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
     """Answers the kubelet from ``DeviceState``; responses are prebuilt where they can be."""
 
     def __init__(self, state: DeviceState, log: logging.Logger, stats: Stats,
-                 cdi_device: str | None = None) -> None:
+                 cdi_device: str | None = None, mounts: Sequence[api.Mount] = ()) -> None:
         self._state = state
         self._log = log
         self._stats = stats
@@ -55,7 +55,8 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
         self._container = api.ContainerAllocateResponse(
             devices=[api.DeviceSpec(container_path=CONTAINER_DEVICE,
                                     host_path=str(state.device), permissions="rw")],
-            cdi_devices=[api.CDIDevice(name=cdi_device)] if cdi_device else [])
+            cdi_devices=[api.CDIDevice(name=cdi_device)] if cdi_device else [],
+            mounts=mounts)
 
     @property
     def open_streams(self) -> int:

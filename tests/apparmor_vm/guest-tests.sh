@@ -94,6 +94,10 @@ while read -r run profile base args; do
   awk '$5 ~ "^/(mnt/fuse|var/lib/lxcfs)" { print $5 }' /proc/self/mountinfo | xargs -r -n1 umount -l
 done < /fdp/plan
 
+# Broker mode: a caller under the runtime-default control profile, no CAP_SYS_ADMIN.
+step broker
+/fdp/broker.sh
+
 # The audit queue is drained asynchronously: one last denial, then wait for it in the log, so
 # every earlier line is there too.
 step audit

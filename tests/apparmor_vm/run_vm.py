@@ -31,7 +31,7 @@ REPO = HERE.parents[1]
 QEMU = "qemu-system-x86_64"
 END_MARKER = "FDPT done"
 CONTROL_TEMPLATE = HERE / "profiles" / "runtime-default.apparmor.in"
-GUEST_FILES = ("guest-tests.sh", "confined.sh", "workloads.sh", "s3check.py")
+GUEST_FILES = ("guest-tests.sh", "confined.sh", "workloads.sh", "s3check.py", "broker.sh")
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,9 @@ def why_not_runnable() -> str | None:
 def missing_tools() -> list[str]:
     """Tools the build needs beyond qemu: missing ones are an install error, not a skip."""
     return [
-        t for t in ("debootstrap", "cpio", "gcc", "dpkg-deb", "ssh-keygen") if not shutil.which(t)
+        t
+        for t in ("debootstrap", "cpio", "gcc", "musl-gcc", "dpkg-deb", "ssh-keygen")
+        if not shutil.which(t)
     ]
 
 
@@ -132,6 +134,16 @@ def write_overlay(stage: Path, overrides: dict[str, Path]) -> None:
         shutil.copy2(HERE / name, fdp / name)
     subprocess.run(
         ["gcc", "-O2", "-Wall", "-static", "-o", str(fdp / "mounttest"), str(HERE / "mounttest.c")],
+        check=True,
+    )
+    # Broker mode (broker.sh): the package (the broker is stdlib Python), the shim and
+    # fuse-broker-enter as the image builds them, and a seccomp filter like the runtime's.
+    shutil.copytree(REPO / "fuse_plugin", fdp / "py" / "fuse_plugin",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([str(REPO / "scripts" / "build-native"), str(fdp / "native")], check=True)
+    subprocess.run(
+        ["gcc", "-O2", "-Wall", "-static", "-o", str(fdp / "seccomp-eperm"),
+         str(HERE / "seccomp-eperm.c")],
         check=True,
     )
     plan = []

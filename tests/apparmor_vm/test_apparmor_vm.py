@@ -232,3 +232,33 @@ def test_each_fuse_program_mount_call_is_recorded(console: ConsoleLog) -> None:
         fuse_calls = [c for c in calls if re.search(r'"fuse(\.[^"]*)?",', c)]
         assert fuse_calls, f"{prog} made no fuse mount:\n" + "\n".join(report)
     print("\nmount(2) calls of the real FUSE programs:\n" + "\n".join(report))
+
+
+def test_broker_mode_needs_no_fuse_rule_but_a_seccomp_profile(console: ConsoleLog) -> None:
+    """Broker mode (issue 14, tests/apparmor_vm/broker.sh): a caller without CAP_SYS_ADMIN
+    under the runtime-default control profile (`deny mount,`, no FUSE rule) mounts sshfs
+    through the broker when a seccomp filter refuses mount(2) with EPERM first, as the
+    runtime's default seccomp profile does. Without the filter AppArmor's EACCES comes
+    first, and libfuse gives up without running fusermount3."""
+    ev = "\n".join(console.run_lines["broker"]) or "(no broker lines)"
+
+    def result(check: str) -> str:
+        return console.results.get(("broker", check), "(no result)")
+
+    assert result("broker-started") == "ok", ev
+    for case, seccomp in (("seccomp", "2"), ("noseccomp", "0")):
+        assert result(f"{case}-confined") == f"{RUNS['control'].profile}_(enforce)", ev
+        assert result(f"{case}-sys-admin") == "no", ev
+        assert result(f"{case}-seccomp") == seccomp, ev
+    assert result("seccomp-mount") == "ok", ev
+    assert "fuse.sshfs" in console.mountinfo.get(("broker", "seccomp"), ""), ev
+    assert "nosuid,nodev" in console.mountinfo.get(("broker", "seccomp"), ""), ev
+    assert result("seccomp-data").startswith("ok"), ev
+    assert result("seccomp-unmount") == "ok", ev
+    assert result("noseccomp-mount").startswith("refused"), ev
+    assert "fuse: mount failed: Permission denied" in result("noseccomp-mount"), ev
+    assert result("broker-exit") == "0", ev
+    events = [line.split('"event":"')[1].split('"')[0] for line in console.run_lines["broker"]
+              if line.startswith("LOG") and '"event":"' in line]
+    assert events.count("broker.mount") == events.count("broker.unmount") == 1, ev
+    assert "broker.refused" not in events, ev

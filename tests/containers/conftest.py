@@ -11,6 +11,7 @@ import pytest
 
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.sim import oci
+from tests.containers import broker as broker_rig
 from tests.containers import plugin
 from tests.containers.servers import Moto, Sshd
 
@@ -86,3 +87,29 @@ def sshd(machine: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ss
         yield server
     finally:
         server.stop()
+
+
+# -- broker mode (docs/broker.md) ---------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def broker_dir(machine: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The host directory the plugin's --broker-dir names, shared by every broker test."""
+    return tmp_path_factory.mktemp("broker-dir")
+
+
+@pytest.fixture(scope="session")
+def broker_allocation(broker_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                      ) -> api.ContainerAllocateResponse:
+    """The real plugin's Allocate answer in broker mode."""
+    return broker_rig.allocation(tmp_path_factory.mktemp("device-plugins-broker"), broker_dir)
+
+
+@pytest.fixture
+def broker(broker_dir: Path, tmp_path: Path) -> Iterator[broker_rig.BrokerProcess]:
+    """A running broker with its own log; stopped (SIGTERM) afterwards."""
+    process = broker_rig.BrokerProcess(broker_dir, tmp_path / "broker-run", broker_rig.shim())
+    try:
+        yield process.start()
+    finally:
+        process.stop()

@@ -16,7 +16,8 @@ RESOURCE = "github.com/fuse"
 
 
 def allocate(directory: Path, fuse_device: Path = Path("/dev/fuse"), slots: int = 4,
-             device_ids: tuple[str, ...] = ("fuse-0",)) -> api.ContainerAllocateResponse:
+             device_ids: tuple[str, ...] = ("fuse-0",), extra: tuple[str, ...] = ()
+             ) -> api.ContainerAllocateResponse:
     """Start the standin and the plugin in ``directory``, allocate one container, stop
     both; returns the plugin's ContainerAllocateResponse for that container."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -26,7 +27,8 @@ def allocate(directory: Path, fuse_device: Path = Path("/dev/fuse"), slots: int 
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "fuse_plugin", "serve", "--device-plugin-dir",
-             str(directory), "--fuse-device", str(fuse_device), "--slots", str(slots)],
+             str(directory), "--fuse-device", str(fuse_device), "--slots", str(slots),
+             *extra],
             stdout=log, stderr=subprocess.STDOUT)
         standin.wait_registered(timeout=15)
         standin.wait_for(lambda: len(standin.devices(RESOURCE)) == slots, 10)

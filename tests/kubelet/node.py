@@ -53,7 +53,7 @@ RESOURCE = "github.com/fuse"
 RUN_ANNOTATION = "fuse-device-plugin.e2e/run"
 
 # teardown order: consumers before what they consume
-STOP_ORDER = ["kubelet", "plugin", "sshd", "installer", "containerd"]
+STOP_ORDER = ["kubelet", "plugin", "broker", "sshd", "installer", "containerd"]
 
 T = TypeVar("T")
 
@@ -126,6 +126,14 @@ class Node:
             except BlockingIOError:
                 log(f"waiting for another e2e run holding {DATA / 'lock'}")
                 fcntl.flock(self._lockf, fcntl.LOCK_EX)
+
+    def release(self) -> None:
+        """Give up the e2e lock taken in __init__, so that another Node may run. flock
+        locks belong to the open file: a second Node in this same process (the next test
+        module's) would otherwise wait for this one forever."""
+        if self._lockf is not None:
+            self._lockf.close()
+            self._lockf = None
 
     # ---- recorded processes
     def spawn(
@@ -308,7 +316,7 @@ class Node:
         self.start_kubelet()
 
     # ---- our plugin
-    def plugin_argv(self, slots: int) -> list[str]:
+    def plugin_argv(self, slots: int, *extra: str) -> list[str]:
         return [
             str(self.plugin_bin),
             "serve",
@@ -318,12 +326,14 @@ class Node:
             "/dev/fuse",
             "--slots",
             str(slots),
+            *extra,
         ]
 
-    def start_plugin(self, slots: int) -> int:
-        """Start the plugin; returns the kubelet log offset before it started."""
+    def start_plugin(self, slots: int, *extra: str) -> int:
+        """Start the plugin (``extra``: more serve flags); returns the kubelet log offset
+        before it started."""
         off = log_size(LOGDIR / "kubelet.log")
-        self.spawn("plugin", self.plugin_argv(slots))
+        self.spawn("plugin", self.plugin_argv(slots, *extra))
         return off
 
     # ---- pods
@@ -386,7 +396,7 @@ class Node:
         return "\n".join(out)
 
     # ---- whole node
-    def up(self, slots: int | None = None) -> None:
+    def up(self, slots: int | None = None, plugin_args: tuple[str, ...] = ()) -> None:
         self.down(quiet=True)
         LOGDIR.mkdir(parents=True, exist_ok=True)
         for n in ["containerd", "kubelet", "plugin"]:
@@ -394,7 +404,7 @@ class Node:
                 (LOGDIR / f"{n}.log").unlink()
         self.start_containerd()
         if slots is not None:
-            self.start_plugin(slots)
+            self.start_plugin(slots, *plugin_args)
         self.start_kubelet()
 
     def down(self, quiet: bool = False) -> None:

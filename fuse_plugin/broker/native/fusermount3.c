@@ -1,0 +1,358 @@
+/*
+ * fusermount3 for containers in fuse-device-plugin's broker mode.
+ *
+ * Allocate binds this binary over /usr/bin/fusermount3, /usr/bin/fusermount and their
+ * /bin twins. A FUSE program without CAP_SYS_ADMIN fails mount(2) with EPERM, and
+ * libfuse (or a Go FUSE library) then runs it as
+ *
+ *     fusermount3 [-o OPTIONS] [--] MOUNTPOINT        with _FUSE_COMMFD=N
+ *     fusermount3 -u [-q] [-z] [--] MOUNTPOINT
+ *
+ * Instead of mounting, it asks the node's broker over a unix socket. The broker checks
+ * the request, mounts, and returns the /dev/fuse fd, which this program hands to
+ * libfuse over _FUSE_COMMFD as real fusermount3 does. See docs/broker.md for the
+ * protocol and why the broker, not this program, is what is trusted.
+ *
+ * Static and dependency-free (musl), because it runs in arbitrary images. Every error is
+ * one line on stderr and exit status 1.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <getopt.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+/* Keep in step with fuse_plugin/broker/protocol.py (a unit test compares them). */
+#define BROKER_SOCKET "/run/fuse-broker/broker.sock"
+#define SOCKET_ENV "FUSE_BROKER_SOCKET"
+#define COMMFD_ENV "_FUSE_COMMFD"
+#define PROTOCOL_VERSION "1"
+#define MAX_MESSAGE 16384
+#define REPLY_TIMEOUT_SECONDS 60
+
+static const char *progname = "fusermount3";
+static int quiet;
+
+static void fail(const char *format, ...)
+{
+	va_list args;
+
+	if (!quiet) {
+		fprintf(stderr, "%s: ", progname);
+		va_start(args, format);
+		vfprintf(stderr, format, args);
+		va_end(args);
+		fputc('\n', stderr);
+	}
+	exit(1);
+}
+
+/* Appends "key=value\0" to the request; the broker refuses truncated or unknown fields. */
+static void add_field(char *buf, size_t *len, const char *key, const char *value)
+{
+	int n = snprintf(buf + *len, MAX_MESSAGE - *len, "%s=%s", key, value);
+
+	if (n < 0 || (size_t)n + 1 > MAX_MESSAGE - *len)
+		fail("request too long (mountpoint or options)");
+	*len += (size_t)n + 1;
+}
+
+/* Value of "key=" in a reply of NUL-terminated fields, or NULL. */
+static const char *field(const char *buf, size_t len, const char *key)
+{
+	size_t klen = strlen(key);
+	const char *p = buf;
+
+	while (p < buf + len) {
+		size_t flen = strnlen(p, (size_t)(buf + len - p));
+		if (flen > klen && strncmp(p, key, klen) == 0 && p[klen] == '=')
+			return p + klen + 1;
+		p += flen + 1;
+	}
+	return NULL;
+}
+
+/*
+ * The mountpoint in the container's own view, with no symlink left in it (the broker
+ * refuses any). To mount, the whole path, as mount(2) would follow it. To unmount, the
+ * parent through realpath and the last component as given, as fusermount3 does: a dead
+ * FUSE mount fails stat and must still be unmountable.
+ */
+static void resolve(const char *mountpoint, int whole, char *out)
+{
+	char copy[PATH_MAX], parent[PATH_MAX];
+	char *slash, *last;
+	size_t len = strlen(mountpoint);
+
+	if (len == 0 || len >= sizeof(copy))
+		fail("bad mountpoint '%s'", mountpoint);
+	if (whole) {
+		if (!realpath(mountpoint, out))
+			fail("bad mountpoint '%s': %s", mountpoint, strerror(errno));
+		return;
+	}
+	memcpy(copy, mountpoint, len + 1);
+	while (len > 1 && copy[len - 1] == '/')
+		copy[--len] = '\0';
+	slash = strrchr(copy, '/');
+	last = slash ? slash + 1 : copy;
+	if (strcmp(last, ".") == 0 || strcmp(last, "..") == 0 || strcmp(copy, "/") == 0) {
+		if (!realpath(copy, out))
+			fail("bad mountpoint '%s': %s", mountpoint, strerror(errno));
+		return;
+	}
+	if (slash == copy)
+		strcpy(parent, "/");
+	else if (slash) {
+		*slash = '\0';
+		if (!realpath(copy, parent))
+			fail("bad mountpoint '%s': %s", mountpoint, strerror(errno));
+	} else if (!getcwd(parent, sizeof(parent)))
+		fail("cannot get the current directory: %s", strerror(errno));
+	if (snprintf(out, PATH_MAX, "%s%s%s", parent, strcmp(parent, "/") ? "/" : "",
+		     last) >= PATH_MAX)
+		fail("mountpoint path too long");
+}
+
+/* One request, one reply; returns the fd the reply carried, or -1. */
+static int ask_broker(const char *request, size_t len, char *reply, size_t *reply_len)
+{
+	const char *path = getenv(SOCKET_ENV) ? getenv(SOCKET_ENV) : BROKER_SOCKET;
+	struct sockaddr_un addr = { .sun_family = AF_UNIX };
+	struct timeval timeout = { .tv_sec = REPLY_TIMEOUT_SECONDS };
+	char control[CMSG_SPACE(sizeof(int))];
+	struct iovec iov = { .iov_base = reply, .iov_len = MAX_MESSAGE - 1 };
+	struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1,
+			      .msg_control = control, .msg_controllen = sizeof(control) };
+	struct cmsghdr *cmsg;
+	ssize_t n;
+	int sock, fd = -1;
+
+	if (strlen(path) >= sizeof(addr.sun_path))
+		fail("broker socket path too long: %s", path);
+	strcpy(addr.sun_path, path);
+	sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	if (sock == -1)
+		fail("socket: %s", strerror(errno));
+	if (connect(sock, (struct sockaddr *)&addr, sizeof(addr)) == -1)
+		fail("cannot reach the FUSE mount broker at %s: %s (broker mode needs the "
+		     "broker running on this node and the pod's github.com/fuse allocation)",
+		     path, strerror(errno));
+	setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+	if (send(sock, request, len, MSG_NOSIGNAL) != (ssize_t)len)
+		fail("sending to the FUSE mount broker: %s", strerror(errno));
+	n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+	if (n <= 0)
+		fail("the FUSE mount broker %s", n == 0 ? "closed the connection (restarting?)"
+						       : strerror(errno));
+	reply[n] = '\0';
+	*reply_len = (size_t)n;
+	for (cmsg = CMSG_FIRSTHDR(&msg); cmsg; cmsg = CMSG_NXTHDR(&msg, cmsg))
+		if (cmsg->cmsg_level == SOL_SOCKET && cmsg->cmsg_type == SCM_RIGHTS)
+			memcpy(&fd, CMSG_DATA(cmsg), sizeof(fd));
+	close(sock);
+	return fd;
+}
+
+/* Sends the request and exits with the broker's message unless it says ok. */
+static int request(const char *op, const char *path, const char *options,
+		   const char *flags, const char *mount_id, char *reply, size_t *reply_len)
+{
+	char buf[MAX_MESSAGE];
+	size_t len = 0;
+	const char *status, *message;
+	int fd;
+
+	add_field(buf, &len, "v", PROTOCOL_VERSION);
+	add_field(buf, &len, "op", op);
+	add_field(buf, &len, "path", path);
+	if (options)
+		add_field(buf, &len, "options", options);
+	if (flags && *flags)
+		add_field(buf, &len, "flags", flags);
+	if (mount_id)
+		add_field(buf, &len, "mount_id", mount_id);
+	fd = ask_broker(buf, len, reply, reply_len);
+	status = field(reply, *reply_len, "status");
+	message = field(reply, *reply_len, "message");
+	if (!status || strcmp(status, "ok") != 0) {
+		if (fd != -1)
+			close(fd);
+		fail("%s", message ? message : "the FUSE mount broker gave no answer");
+	}
+	return fd;
+}
+
+/* As fusermount3 does: one byte of payload, the fd in SCM_RIGHTS. */
+static void send_fd(int sock, int fd)
+{
+	char byte = 0;
+	char control[CMSG_SPACE(sizeof(int))];
+	struct iovec iov = { .iov_base = &byte, .iov_len = 1 };
+	struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1,
+			      .msg_control = control, .msg_controllen = sizeof(control) };
+	struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
+	ssize_t n;
+
+	memset(control, 0, sizeof(control));
+	cmsg->cmsg_level = SOL_SOCKET;
+	cmsg->cmsg_type = SCM_RIGHTS;
+	cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+	memcpy(CMSG_DATA(cmsg), &fd, sizeof(fd));
+	do
+		n = sendmsg(sock, &msg, MSG_NOSIGNAL);
+	while (n == -1 && errno == EINTR);
+	if (n != 1)
+		fail("sending the FUSE fd to %s: %s", COMMFD_ENV, strerror(errno));
+}
+
+/*
+ * Removes auto_unmount from the options (the broker is asked instead, once the daemon
+ * has gone); returns whether it was there. Commas escaped with a backslash stay.
+ */
+static int take_auto_unmount(char *options)
+{
+	char *out = options, *start = options, *p = options;
+	int found = 0;
+
+	for (;;) {
+		if (*p == '\\' && p[1]) {
+			p += 2;
+			continue;
+		}
+		if (*p == ',' || *p == '\0') {
+			size_t len = (size_t)(p - start);
+			int end = *p == '\0';
+			if (len == 12 && strncmp(start, "auto_unmount", 12) == 0)
+				found = 1;
+			else if (len) {
+				if (out != options)
+					*out++ = ',';
+				memmove(out, start, len);
+				out += len;
+			}
+			if (end)
+				break;
+			start = ++p;
+			continue;
+		}
+		p++;
+	}
+	*out = '\0';
+	return found;
+}
+
+/* auto_unmount: wait, like fusermount3, until the daemon closes its end, then unmount. */
+static void watch_and_unmount(int commfd, const char *path, const char *mount_id)
+{
+	char buf[16], reply[MAX_MESSAGE];
+	size_t reply_len;
+	sigset_t all;
+	ssize_t n;
+
+	setsid();
+	if (chdir("/") == -1)
+		fail("chdir /: %s", strerror(errno));
+	sigfillset(&all);
+	sigprocmask(SIG_BLOCK, &all, NULL);
+	do
+		n = recv(commfd, buf, sizeof(buf), 0);
+	while (n > 0 || (n == -1 && errno == EINTR));
+	quiet = 1;
+	request("unmount", path, NULL, "lazy,auto", mount_id, reply, &reply_len);
+}
+
+static void usage(void)
+{
+	printf("%s: [options] mountpoint\n"
+	       "Options:\n"
+	       " -h                print help\n"
+	       " -V                print version\n"
+	       " -o opt[,opt...]   mount options\n"
+	       " -u                unmount\n"
+	       " -q                quiet\n"
+	       " -z                lazy unmount\n"
+	       "Mounts are made by the node's FUSE mount broker (fuse-device-plugin).\n",
+	       progname);
+	exit(1);
+}
+
+int main(int argc, char *argv[])
+{
+	static const struct option long_options[] = {
+		{ "unmount", no_argument, NULL, 'u' },
+		{ "lazy", no_argument, NULL, 'z' },
+		{ "quiet", no_argument, NULL, 'q' },
+		{ "help", no_argument, NULL, 'h' },
+		{ "version", no_argument, NULL, 'V' },
+		{ NULL, 0, NULL, 0 },
+	};
+	char path[PATH_MAX], reply[MAX_MESSAGE], options[MAX_MESSAGE] = "";
+	const char *commfd_text, *mount_id;
+	size_t reply_len;
+	int ch, unmount = 0, lazy = 0, automatic, commfd, fd;
+
+	if (argc > 0 && argv[0][0])
+		progname = strrchr(argv[0], '/') ? strrchr(argv[0], '/') + 1 : argv[0];
+	while ((ch = getopt_long(argc, argv, "hVo:uzq", long_options, NULL)) != -1) {
+		switch (ch) {
+		case 'h':
+			usage();
+			break;
+		case 'V':
+			printf("%s version: 3 (fuse-device-plugin broker shim)\n", progname);
+			return 0;
+		case 'o':
+			if (strlen(optarg) >= sizeof(options))
+				fail("options too long");
+			strcpy(options, optarg);
+			break;
+		case 'u':
+			unmount = 1;
+			break;
+		case 'z':
+			lazy = 1;
+			break;
+		case 'q':
+			quiet = 1;
+			break;
+		default:
+			return 1;
+		}
+	}
+	if (lazy && !unmount)
+		fail("-z can only be used with -u");
+	if (optind >= argc)
+		fail("missing mountpoint argument");
+	if (argc > optind + 1)
+		fail("extra arguments after the mountpoint");
+	resolve(argv[optind], !unmount, path);
+
+	if (unmount) {
+		request("unmount", path, NULL, lazy ? "lazy" : "", NULL, reply, &reply_len);
+		return 0;
+	}
+	commfd_text = getenv(COMMFD_ENV);
+	if (!commfd_text)
+		fail("old style mounting not supported");
+	commfd = atoi(commfd_text);
+	automatic = take_auto_unmount(options);
+	fd = request("mount", path, options, "", NULL, reply, &reply_len);
+	if (fd == -1)
+		fail("the FUSE mount broker sent no file descriptor");
+	send_fd(commfd, fd);
+	close(fd);
+	if (automatic) {
+		mount_id = field(reply, reply_len, "mount_id");
+		watch_and_unmount(commfd, path, mount_id);
+	}
+	return 0;
+}

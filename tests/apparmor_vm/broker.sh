@@ -1,0 +1,77 @@
+#!/bin/bash
+# Broker mode in the AppArmor kernel (issue 14), run by guest-tests.sh after the profile runs.
+#
+#   broker.sh                 start the broker (unconfined), run both cases, stop it
+#   broker.sh ns CASE FILTER  (internal) in a new mount namespace: the shim over fusermount3,
+#                             the broker's directory at /run/fuse-broker, then the caller
+#   broker.sh caller CASE     (internal) the caller, as a broker-mode container runs it
+#
+# The caller is what a broker-mode pod is on an AppArmor node: root without CAP_SYS_ADMIN,
+# under the runtime's default AppArmor profile (the control, ending in `deny mount,`), with
+# no FUSE rule anywhere. Case "seccomp": also a seccomp filter refusing mount(2) with EPERM
+# (the runtime's default seccomp profile): sshfs must mount through the broker, carry data
+# and unmount. Case "noseccomp": no filter: AppArmor refuses mount(2) with EACCES before the
+# capability check, libfuse gives up without running fusermount3, and the broker never
+# hears of it. Prints RESULT/MOUNTINFO/LOG lines with run=broker.
+set -u
+. /fdp/workloads.sh
+run=broker
+say() { echo "$1 run=$run ${*:2}"; }
+BROKER_DIR=/run/fdp-broker
+PROFILE=$(awk '$1 == "control" { print $2 }' /fdp/plan)
+MOUNTS=/mnt/fuse/broker
+
+caller() {  # caller CASE
+  local case=$1 mp=$MOUNTS/$1 out
+  say RESULT "check=$case-confined status=$(tr ' ' '_' < /proc/self/attr/current)"
+  local caps
+  caps=$(awk '/^CapEff:/ { print $2 }' /proc/self/status)
+  if (( (16#$caps >> 21) & 1 )); then out=yes; else out=no; fi
+  say RESULT "check=$case-sys-admin status=$out"
+  say RESULT "check=$case-seccomp status=$(awk '/^Seccomp:/ { print $2 }' /proc/self/status)"
+  if out=$(sshfs root@127.0.0.1:/srv/sshfs "$mp" -o IdentityFile=/root/.ssh/id_ed25519 \
+      -o StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,BatchMode=yes 2>&1); then
+    say RESULT "check=$case-mount status=ok"
+    say MOUNTINFO "workload=$case $(mountinfo_line "$mp")"
+    say RESULT "check=$case-data status=$(data_check sshfs "$mp" "broker-$case")"
+    if out=$(fusermount3 -u "$mp" 2>&1) && ! is_mounted "$mp"; then
+      say RESULT "check=$case-unmount status=ok"
+    else
+      say RESULT "check=$case-unmount status=fail ${out//$'\n'/ }"
+    fi
+  else
+    say RESULT "check=$case-mount status=refused ${out//$'\n'/ }"
+  fi
+}
+
+in_namespace() {  # in_namespace CASE FILTER: binds as Allocate would make them, then confine
+  local case=$1 filter=$2
+  mount --bind /fdp/native/fusermount3 /usr/bin/fusermount3
+  mount --bind "$BROKER_DIR" /run/fuse-broker
+  # shellcheck disable=SC2086
+  exec aa-exec -p "$PROFILE" -- setpriv --bounding-set -sys_admin --inh-caps -sys_admin -- \
+    $filter /fdp/broker.sh caller "$case"
+}
+
+case ${1:-} in
+  caller) caller "$2"; exit ;;
+  ns) in_namespace "$2" "${3:-}"; exit ;;
+esac
+
+mkdir -p "$BROKER_DIR" /run/fuse-broker "$MOUNTS/seccomp" "$MOUNTS/noseccomp"
+PYTHONPATH=/fdp/py python3 -m fuse_plugin broker --dir "$BROKER_DIR" \
+  --shim /fdp/native/fusermount3 --fusermount /usr/bin/fusermount3 \
+  --staging-dir /run/fdp-broker-staging --log-format json >/tmp/broker.log 2>&1 &
+broker=$!
+for _ in $(seq 600); do [ -S "$BROKER_DIR/broker.sock" ] && break; sleep 0.1; done
+if [ -S "$BROKER_DIR/broker.sock" ]; then
+  say RESULT "check=broker-started status=ok"
+else
+  say RESULT "check=broker-started status=fail"
+fi
+unshare --mount --propagation private /fdp/broker.sh ns seccomp /fdp/seccomp-eperm
+unshare --mount --propagation private /fdp/broker.sh ns noseccomp
+kill -TERM "$broker"
+wait "$broker"
+say RESULT "check=broker-exit status=$?"
+awk -v p="LOG run=$run broker: " 'NF { print p $0 }' /tmp/broker.log

@@ -1,0 +1,122 @@
+"""Broker mode's real parts for the tests and the benchmark: the fusermount3 shim and
+fuse-broker-enter built by the project's own script (cached outside the work tree by a
+hash of their sources), the
+real ``fuse-device-plugin broker`` process, and the plugin's broker-mode Allocate answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from fuse_plugin.api import api_pb2 as api
+from fuse_plugin.broker import protocol
+from tests.containers import plugin
+from tests.containers.servers import stop_process
+from tests.containers.workloads import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+NATIVE = ROOT / "fuse_plugin" / "broker" / "native"
+SHIM_SOURCE = NATIVE / "fusermount3.c"
+BUILD_SCRIPT = ROOT / "scripts" / "build-native"
+CACHE = Path("/var/cache/fuse-device-plugin/native")
+CLIENT = Path(__file__).with_name("broker_client.py")
+# Where the raw client is bound inside a container.
+CLIENT_IN_CONTAINER = "/opt/broker-client/broker_client.py"
+
+
+def shim(cache: Path = CACHE) -> Path:
+    """The shim built by scripts/build-native (fuse-broker-enter beside it), rebuilt only
+    when a source changes."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in
+                                     (*sorted(NATIVE.glob("*.c")), BUILD_SCRIPT)))
+    out = cache / digest.hexdigest()[:16]
+    if not (out / protocol.SHIM_NAME).exists():
+        result = subprocess.run([str(BUILD_SCRIPT), str(out)], capture_output=True,
+                                text=True, timeout=120, check=False)
+        if result.returncode != 0:
+            raise AssertionError(f"scripts/build-native failed: {result.stderr}")
+    return out / protocol.SHIM_NAME
+
+
+class BrokerProcess:
+    """The real broker, as its DaemonSet runs it, serving in ``directory`` (what the
+    plugin's --broker-dir names) and logging JSON lines to ``workdir``."""
+
+    def __init__(self, directory: Path, workdir: Path, shim_path: Path, *extra: str) -> None:
+        self.workdir = workdir
+        self.directory = directory
+        self.staging = workdir / "staging"
+        self.shim = shim_path
+        self.extra = extra
+        self.log_path = workdir / "broker.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.directory / protocol.SOCKET_NAME
+
+    def start(self, timeout: float = 30.0) -> BrokerProcess:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        served = len(self.events("broker.serving"))
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "fuse_plugin", "broker", "--dir", str(self.directory),
+                 "--shim", str(self.shim), "--staging-dir", str(self.staging),
+                 "--log-format", "json", *self.extra],
+                stdout=log, stderr=subprocess.STDOUT)
+        proc = self.proc
+        wait_for(lambda: proc.poll() is not None or len(self.events("broker.serving")) > served,
+                 timeout, "the broker to serve")
+        if proc.poll() is not None:
+            raise AssertionError(f"broker exited {proc.returncode}: {self.log()}")
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        found = []
+        for line in self.log().splitlines():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if name is None or event.get("event") == name:
+                found.append(event)
+        return found
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+
+def allocation(workdir: Path, broker_dir: Path) -> api.ContainerAllocateResponse:
+    """The real plugin's Allocate answer with ``--broker-dir``."""
+    return plugin.allocate(workdir, extra=("--broker-dir", str(broker_dir)))
+
+
+def without_socket(allocation: api.ContainerAllocateResponse
+                   ) -> api.ContainerAllocateResponse:
+    """The same answer minus the socket directory's bind: the shim is there, the broker
+    cannot be reached."""
+    out = api.ContainerAllocateResponse()
+    out.CopyFrom(allocation)
+    del out.mounts[:]
+    out.mounts.extend(m for m in allocation.mounts
+                      if m.container_path != protocol.CONTAINER_DIR)
+    return out
