@@ -30,6 +30,7 @@ from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker import kernel, policy, protocol
 from fuse_plugin.broker.mounts import Mounter, MountFailed
 from fuse_plugin.errors import EXIT_USAGE, Failure
+from fuse_plugin.signals import stop_on_signals
 
 DEFAULT_DIR = Path("/var/lib/fuse-device-plugin/broker")
 DEFAULT_SHIM = Path("/usr/local/libexec/fuse-device-plugin/fusermount3")
@@ -90,12 +91,7 @@ def command(args: argparse.Namespace) -> int:
     log = logs.setup(settings.log_format, settings.log_level)
     broker = Broker(settings, log)
 
-    def on_signal(signum: int, _frame: object) -> None:
-        logs.event(log, "signal", signal=signal.Signals(signum).name)
-        broker.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop_on_signals(log, broker.stop)
     broker.start()
     return broker.run()
 

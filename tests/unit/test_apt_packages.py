@@ -106,8 +106,11 @@ def package_of(executable: str) -> str | None:
     for candidate in dict.fromkeys(candidates):
         result = subprocess.run(["dpkg-query", "-S", candidate], capture_output=True,
                                 text=True, check=False)
-        if result.returncode == 0:
-            return result.stdout.split(":", 1)[0].split(",")[0].strip()
+        owners = [line.split(":", 1)[0].split(",")[0].strip()
+                  for line in result.stdout.splitlines()
+                  if line and not line.startswith("diversion by ")]
+        if result.returncode == 0 and owners:
+            return owners[0]
     return None
 
 
