@@ -13,7 +13,9 @@ are served at once (others are closed at once rather than parked on a thread).
 
 from __future__ import annotations
 
+import logging
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from http import HTTPStatus
@@ -30,6 +32,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from fuse_plugin import logs
 from fuse_plugin.devices import Health
 from fuse_plugin.lifecycle import Lifecycle
 from fuse_plugin.stats import ALLOCATE_BUCKETS, Stats
@@ -110,6 +113,13 @@ class _Server(ThreadingHTTPServer):
         except BaseException:
             self._slots.release()
             raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up mid-answer is routine (a probe timing out): no
+        traceback on stderr; anything else is one log line."""
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            logs.event(logs.get(), "metrics.error", logging.WARNING, error=repr(error))
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
