@@ -436,7 +436,8 @@ def seccomp_profiles(kube_node: Any) -> Iterator[dict[str, str]]:
     )
     if kube_node.alive("installer"):
         kube_node.stop("installer")
-    evidence("3", f"installed by our installer: {sorted(p.name for p in dest.iterdir())} in {dest}")
+    evidence("sshfs-profile",
+             f"installed by our installer: {sorted(p.name for p in dest.iterdir())} in {dest}")
     yield {
         "sshfs": f"{SECCOMP_SUBDIR}/sshfs.json",
         "without_mount": f"{SECCOMP_SUBDIR}/sshfs-without-mount.json",
@@ -457,7 +458,7 @@ fi
 """
 
 
-def test_1_node_advertises_slots(kube_node: Any) -> None:
+def test_node_advertises_slots(kube_node: Any) -> None:
     """The node's capacity for github.com/fuse is our slot count; all of it is allocatable."""
     with pods(
         kube_node, **{"all-slots": pod_spec(container(kube_node, "ls -l /dev/fuse", fuse=SLOTS))}
@@ -473,10 +474,11 @@ def test_1_node_advertises_slots(kube_node: Any) -> None:
         assert values == {SLOTS}, f"expected capacity {SLOTS}, the kubelet logged:\n" + "\n".join(
             cap
         )
-        evidence("1", [cap[-1], f"pod requesting {RESOURCE}: {SLOTS} (all slots) -> {run.phase}"])
+        evidence("capacity",
+                 [cap[-1], f"pod requesting {RESOURCE}: {SLOTS} (all slots) -> {run.phase}"])
 
 
-def test_2_fuse_pod_sees_dev_fuse_and_nothing_else(kube_node: Any) -> None:
+def test_fuse_pod_sees_dev_fuse_and_nothing_else(kube_node: Any) -> None:
     with pods(
         kube_node,
         baseline=pod_spec(container(kube_node, DEVICES_SCRIPT, fuse=None)),
@@ -516,8 +518,7 @@ def test_2_fuse_pod_sees_dev_fuse_and_nothing_else(kube_node: Any) -> None:
             for ln in nodemod.read_log(nodemod.LOGDIR / "plugin.log").splitlines()
             if "llocat" in ln
         ]
-        evidence(
-            "2",
+        evidence("only-dev-fuse",
             [
                 f"fuse pod: added devices {sorted(added_devs)}, "
                 f"added cgroup rules {sorted(added_rules)}, "
@@ -572,7 +573,7 @@ def sshfs_pod(
     return pod_spec(c, volumes=vols), payload
 
 
-def test_3_sshfs_with_our_seccomp_profile(
+def test_sshfs_with_our_seccomp_profile(
     kube_node: Any, sshd: dict[str, Any], seccomp_profiles: dict[str, str]
 ) -> None:
     spec, payload = sshfs_pod(
@@ -595,8 +596,7 @@ def test_3_sshfs_with_our_seccomp_profile(
         sessions = [
             ln for ln in nodemod.read_log(sshd["log"]).splitlines() if "subsystem 'sftp'" in ln
         ]
-        evidence(
-            "3",
+        evidence("sshfs-profile",
             [ln for ln in log.splitlines() if ln.startswith(("MOUNTED", "Seccomp"))]
             + [
                 f"server side {sshd['export']}/sshfs-ours.txt = {got!r}",
@@ -606,7 +606,7 @@ def test_3_sshfs_with_our_seccomp_profile(
         )
 
 
-def test_4_runtime_default_seccomp(
+def test_runtime_default_seccomp(
     kube_node: Any, sshd: dict[str, Any], seccomp_profiles: dict[str, str]
 ) -> None:
     """Negative controls for scenario 3, each reported by the kubelet.
@@ -645,8 +645,7 @@ def test_4_runtime_default_seccomp(
                 f"{name} must not have written to the server"
             )
             term = run.pod["status"]["containerStatuses"][0]["state"]["terminated"]  # type: ignore[index]
-            evidence(
-                "4",
+            evidence("runtime-default",
                 f"{name}: kubelet reports {run.phase} exitCode={term['exitCode']}; "
                 f"container log: {err}",
             )
@@ -654,14 +653,13 @@ def test_4_runtime_default_seccomp(
         run.expect("Succeeded")
         got = (sshd["export"] / "rtdefault-sysadmin.txt").read_text().strip()
         assert got == specs["rtdefault-sysadmin"][1]
-        evidence(
-            "4",
+        evidence("runtime-default",
             "rtdefault-sysadmin: RuntimeDefault + CAP_SYS_ADMIN mounts sshfs on containerd 1.6 "
             f"(its default seccomp allows mount for CAP_SYS_ADMIN): kubelet reports {run.phase}",
         )
 
 
-def test_5_more_than_capacity_is_refused(kube_node: Any) -> None:
+def test_more_than_capacity_is_refused(kube_node: Any) -> None:
     want = SLOTS + 1
     with pods(kube_node, toomany=pod_spec(container(kube_node, "echo STARTED", fuse=want))) as runs:
         run = runs["toomany"]
@@ -681,11 +679,21 @@ def test_5_more_than_capacity_is_refused(kube_node: Any) -> None:
             run.since, re.escape(uid) + r".*(ContainerStarted|Need to start a new one)"
         )
         assert not started, "expected the kubelet not to start a sandbox:\n" + "\n".join(started)
-        evidence("5", f"toomany ({RESOURCE}: {want}): reason={st['reason']} message={msg!r}")
+        evidence("over-capacity",
+                 f"toomany ({RESOURCE}: {want}): reason={st['reason']} message={msg!r}")
 
 
-def test_6_kubelet_restart_plugin_reregisters(kube_node: Any) -> None:
-    plugin_pid = kube_node.pid("plugin")
+def plugin_running(node: Any) -> int:
+    """Each test starts from a registered plugin, whatever ran before it."""
+    if not node.pid("plugin"):
+        since = nodemod.log_size(KUBELET_LOG)
+        node.start_plugin(SLOTS)
+        wait_registered(node, since, "before the test")
+    return int(node.pid("plugin"))
+
+
+def test_kubelet_restart_plugin_reregisters(kube_node: Any) -> None:
+    plugin_pid = plugin_running(kube_node)
     assert plugin_pid, "the plugin is not running before the kubelet restart"
     sock = nodemod.DEVICE_PLUGIN_DIR / "kubelet.sock"
     before = sock.stat()
@@ -707,8 +715,7 @@ def test_6_kubelet_restart_plugin_reregisters(kube_node: Any) -> None:
         assert cap[-1].endswith(f" {SLOTS}"), (
             f"expected capacity {SLOTS} after the restart, the kubelet logged: {cap}"
         )
-        evidence(
-            "6",
+        evidence("kubelet-restart",
             [
                 f"kubelet restarted (kubelet.sock inode {before.st_ino} -> {after.st_ino}, "
                 f"ctime {before.st_ctime:.3f} -> {after.st_ctime:.3f}); "
@@ -720,7 +727,8 @@ def test_6_kubelet_restart_plugin_reregisters(kube_node: Any) -> None:
         )
 
 
-def test_7_plugin_sigkill_and_restart(kube_node: Any) -> None:
+def test_plugin_sigkill_and_restart(kube_node: Any) -> None:
+    plugin_running(kube_node)
     sock = nodemod.DEVICE_PLUGIN_DIR / "github.com_fuse.sock"
     since = nodemod.log_size(KUBELET_LOG)
     kube_node.stop("plugin", sig=signal.SIGKILL)
@@ -758,8 +766,7 @@ def test_7_plugin_sigkill_and_restart(kube_node: Any) -> None:
     ) as runs:
         run = runs["afterkill"]
         run.expect("Succeeded")
-        evidence(
-            "7",
+        evidence("plugin-sigkill",
             [
                 gone[0],
                 f"stale socket {sock} left by SIGKILL refused connections; plugin restarted",
