@@ -219,6 +219,9 @@ s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.connect({socket!r})
 print("connected", flush=True)
 sys.stdin.readline()
-reply = s.recv(4096)
+try:
+    reply = s.recv(4096)
+except ConnectionResetError:  # killed with our request unread: a reset, not an EOF
+    reply = b""
 print("the broker closed the connection" if not reply else reply, flush=True)
 """
