@@ -30,17 +30,17 @@ def fail(message: str, code: int = EXIT_FAILURE) -> int:
     return code
 
 
-def _lean_process() -> None:
+def _lean_process(metrics: bool) -> None:
     """Trim what a serve process of its own holds and spends; no behaviour changes.
 
     Applied only in a fresh process (the console script, ``python -m fuse_plugin``),
     not when a test calls ``cmd_serve`` in a process that has already loaded grpc.
 
-    - grpc imports asyncio, which imports Python's ssl and with it OpenSSL: ~4 MiB of
-      RSS and ~9 ms of start-up that serve never uses (it speaks plain gRPC on unix
-      sockets; gRPC's own TLS is inside its C core). ``ssl`` is hidden only while grpc
-      loads, so a later ``import ssl`` still works. (prometheus_client cannot load
-      without ssl: --metrics-port pays for OpenSSL.)
+    - grpc imports asyncio, and http.server (the probes' port) imports http.client, and
+      both import Python's ssl and with it OpenSSL: ~4 MiB of RSS and ~9 ms of start-up
+      that serve never uses (plain gRPC on unix sockets, plain HTTP for the probes;
+      gRPC's own TLS is inside its C core). ``ssl`` is hidden only while they load (both
+      take a missing ssl as "no TLS"), so a later ``import ssl`` still works.
     - glibc gives each thread that mallocs its own arena (up to 8 per CPU), and the gRPC
       worker threads keep freed memory in many half-empty arenas. Two arenas are plenty
       for threads that mostly wait on the GIL.
@@ -54,7 +54,10 @@ def _lean_process() -> None:
     sys.modules["ssl"] = None  # type: ignore[assignment]  # makes `import ssl` fail
     try:
         import grpc  # noqa: F401
-    except ImportError:  # a grpc that needs ssl after all: imported normally later
+
+        if metrics:
+            import http.server  # noqa: F401
+    except ImportError:  # a version that needs ssl after all: imported normally later
         pass
     finally:
         del sys.modules["ssl"]
@@ -67,7 +70,7 @@ def _lean_process() -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    _lean_process()
+    _lean_process(metrics=bool(args.metrics_port))
     from fuse_plugin import plugin
     from fuse_plugin.signals import stop_on_signals
 

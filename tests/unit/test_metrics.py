@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from fuse_plugin.sim.kubelet import KubeletStandIn
 from tests.conftest import RESOURCE, Node, PluginProcess, StartPlugin
@@ -144,3 +145,27 @@ def test_cdi_spec_written_allocate_names_it_and_removed_on_stop(
     assert plugin.terminate() == 0
     assert not spec.exists()
     assert list(cdi_dir.iterdir()) == []
+
+
+def test_scrape_parses_with_the_reference_parser(
+        kubelet: KubeletStandIn, plugin: tuple[PluginProcess, int]) -> None:
+    """The text format is written by hand; prometheus-client's own parser must read it."""
+    _, port = plugin
+    kubelet.wait_registered(1)
+    kubelet.allocate(RESOURCE, [["fuse-0"]])
+    families = {f.name: f for f in text_string_to_metric_families(get(port, "/metrics")[1])}
+    kinds = {name: family.type for name, family in families.items()}
+    assert kinds == {
+        "fuse_device_plugin_registered": "gauge", "fuse_device_plugin_slots": "gauge",
+        "fuse_device_plugin_listandwatch_streams": "gauge",
+        "fuse_device_plugin_allocations": "counter",
+        "fuse_device_plugin_allocate_refusals": "counter",
+        "fuse_device_plugin_kubelet_restarts": "counter",
+        "fuse_device_plugin_registrations": "counter",
+        "fuse_device_plugin_registration_failures": "counter",
+        "fuse_device_plugin_allocate_duration_seconds": "histogram"}
+    buckets = [s for s in families["fuse_device_plugin_allocate_duration_seconds"].samples
+               if s.name.endswith("_bucket")]
+    assert buckets[-1].labels == {"le": "+Inf"}
+    assert buckets[-1].value == 1
+    assert [s.value for s in buckets] == sorted(s.value for s in buckets)
