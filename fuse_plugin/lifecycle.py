@@ -56,13 +56,14 @@ REGISTER_CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1),
 Identity = tuple[int, int]
 
 
-def _identity(path: Path) -> Identity | None:
-    """Inode and ctime together: ext4 hands a re-created file the same inode."""
+def _identity(path: Path, directory: bool = False) -> Identity | None:
+    """Inode and ctime together: ext4 hands a re-created file the same inode. For a
+    directory, device and inode: its ctime moves with every entry made in it."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return st.st_ino, st.st_ctime_ns
+    return (st.st_dev, st.st_ino) if directory else (st.st_ino, st.st_ctime_ns)
 
 
 def _accepts(path: Path) -> bool:
@@ -255,15 +256,6 @@ class Lifecycle:
         elif not self.status.registered and self._pending is None:
             self._need_register = True
 
-    @staticmethod
-    def _directory_identity(path: Path) -> Identity | None:
-        """Device and inode: a directory's ctime moves with every entry made in it."""
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
-        return st.st_dev, st.st_ino
-
     def _watch_targets(self) -> list[Path]:
         targets = [self.settings.device_plugin_dir, self.settings.device_plugin_dir.parent]
         device_dir = self.settings.fuse_device.parent
@@ -278,7 +270,7 @@ class Lifecycle:
         as well tells us when it comes back, so the watch is re-armed at once.
         """
         for path in self._watch_targets():
-            identity = self._directory_identity(path)
+            identity = _identity(path, directory=True)
             watched = self._watches.get(path)
             if watched is not None and watched[1] == identity and identity is not None:
                 continue

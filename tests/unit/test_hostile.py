@@ -5,7 +5,6 @@ gRPC status and the plugin comes back by itself; nothing here waits on a clock."
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -182,19 +181,6 @@ def test_device_plugin_dir_deleted_and_recreated(node: Node, start_plugin: Start
         kubelet.wait_devices(RESOURCE, healthy(8))
     assert plugin.proc.poll() is None
     assert "Traceback" not in plugin.log
-
-
-def test_sighup_stops_cleanly_and_removes_socket_and_cdi_spec(
-        node: Node, kubelet: KubeletStandIn, start_plugin: StartPlugin) -> None:
-    cdi_dir = node.root / "cdi"
-    plugin = start_plugin("--cdi", "--cdi-dir", str(cdi_dir))
-    kubelet.wait_registered()
-    assert (cdi_dir / "github.com-fuse.json").exists()
-    plugin.proc.send_signal(signal.SIGHUP)
-    assert plugin.proc.wait(10) == 0
-    assert not (node.plugin_dir / SOCKET).exists()
-    assert not (cdi_dir / "github.com-fuse.json").exists()
-    assert "signal=SIGHUP" in plugin.log
 
 
 # -- hostile gRPC requests and log injection -----------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import urllib.error
@@ -131,8 +132,10 @@ def test_metrics_port_in_use_is_a_clear_error(start_plugin: StartPlugin) -> None
     assert "Traceback" not in process.log
 
 
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP])
 def test_cdi_spec_written_allocate_names_it_and_removed_on_stop(
-        node: Node, kubelet: KubeletStandIn, start_plugin: StartPlugin) -> None:
+        node: Node, kubelet: KubeletStandIn, start_plugin: StartPlugin,
+        stop: signal.Signals) -> None:
     cdi_dir = node.root / "cdi"
     plugin = start_plugin("--cdi", "--cdi-dir", str(cdi_dir))
     kubelet.wait_registered()
@@ -142,9 +145,12 @@ def test_cdi_spec_written_allocate_names_it_and_removed_on_stop(
     container = response.container_responses[0]
     assert [d.name for d in container.cdi_devices] == ["github.com/fuse=fuse"]
     assert container.devices[0].container_path == "/dev/fuse"
-    assert plugin.terminate() == 0
+    plugin.proc.send_signal(stop)
+    assert plugin.proc.wait(10) == 0
     assert not spec.exists()
     assert list(cdi_dir.iterdir()) == []
+    assert not (node.plugin_dir / "github.com_fuse.sock").exists()
+    assert f"signal={stop.name}" in plugin.log
 
 
 def test_scrape_parses_with_the_reference_parser(
