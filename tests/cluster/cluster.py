@@ -64,6 +64,9 @@ SERVER = f"https://127.0.0.1:{APISERVER_PORT}"
 # kustomize's `labels:` (used by manifests/kustomization.yaml) arrived in kustomize 4.1,
 # first embedded in kubectl 1.22; kubectl 1.20's kustomize 2.0.3 refuses the file.
 KUBECTL_MIN_MINOR = 22
+# The installer DaemonSet writes its AppArmor profiles to the host's /etc/apparmor.d.
+HOST_APPARMOR = Path("/etc/apparmor.d")
+APPARMOR_GLOB = "fuse-device-plugin-*"
 
 
 def bin_dir() -> Path:
@@ -385,6 +388,10 @@ class Cluster(Node):
         self.logdir.mkdir(parents=True, exist_ok=True)
         for f in self.logdir.glob("*.log"):
             f.unlink()
+        # What the installer will add to the host, to be removed again by down().
+        before = sorted(p.name for p in HOST_APPARMOR.glob(APPARMOR_GLOB))
+        self.state.mkdir(parents=True, exist_ok=True)
+        (self.state / "apparmor-before.json").write_text(json.dumps(before))
         self.make_network()
         self.make_pki()
         self.start_etcd()
@@ -416,6 +423,12 @@ class Cluster(Node):
                 log(f"drain: {exc}")
         super().down(quiet=True)
         self.remove_network()
+        with contextlib.suppress(FileNotFoundError):
+            before = set(json.loads((self.state / "apparmor-before.json").read_text()))
+            for p in HOST_APPARMOR.glob(APPARMOR_GLOB):
+                if p.name not in before:
+                    p.unlink()
+            (self.state / "apparmor-before.json").unlink()
         shutil.rmtree(self.state / "etcd", ignore_errors=True)
         if not quiet:
             log("cluster is down")
@@ -437,6 +450,7 @@ def cluster_up() -> Iterator[Cluster]:
         yield c
     finally:
         c.down()
+        c.unlock()
 
 
 def main() -> None:

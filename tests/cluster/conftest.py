@@ -1,6 +1,8 @@
-"""Fixtures of the cluster stage. The cluster is one per session (bring-up ~30 s once the
-binaries and images are cached); everything a test needs on it is made by a fixture that
-checks or restores its own state, so each test passes alone and in any order."""
+"""Fixtures of the cluster stage. The cluster is one per module (bring-up ~30 s once the
+binaries and images are cached), and down, its lock released, before pytest moves on to
+another stage: tests/kubelet needs the same kubelet root. Everything a test needs on it is
+made by a fixture that checks or restores its own state, so each test passes alone and in
+any order."""
 
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def first_line(*argv: str) -> str:
     return out.splitlines()[0] if out else "?"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     reason = skip_reason()
     if reason:
@@ -99,7 +101,8 @@ def cluster() -> Iterator[Cluster]:
         "containerd: " + first_line("containerd", "--version"),
         "runc: " + first_line("runc", "--version"),
         "podman: " + first_line("podman", "--version"),
-        "CNI plugins: " + first_line("/usr/lib/cni/bridge", "version"),
+        # Debian's build of the CNI plugins reports "version unknown": ask dpkg.
+        "CNI plugins: " + first_line("dpkg-query", "-W", "containernetworking-plugins"),
         f"kubectl: {kubectl_path[0]} (1.{kubectl_path[1]})",
         f"kernel: {platform.release()}",
     )
@@ -112,24 +115,24 @@ def cluster() -> Iterator[Cluster]:
         c.down()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def kubectl(cluster: Cluster) -> Kubectl:
     found = find_kubectl()
     assert not isinstance(found, str), found
     return Kubectl(found[0], cluster.admin_kubeconfig)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def api(cluster: Cluster) -> Api:
     return cluster.api
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def images(cluster: Cluster) -> dict[str, str]:
     return {**cluster.images, **cluster.cluster_images}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def overlay(tmp_path_factory: pytest.TempPathFactory, images: dict[str, str]) -> Path:
     return manifests_overlay(tmp_path_factory.mktemp("overlay"), images["PLUGIN_IMAGE"])
 
@@ -147,7 +150,7 @@ def deployed(cluster: Cluster, kubectl: Kubectl, api: Api, overlay: Path) -> dic
     return daemonset_pod(api, PLUGIN_NS, PLUGIN_SELECTOR)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def servers(cluster: Cluster, kubectl: Kubectl, api: Api, images: dict[str, str],
             tmp_path_factory: pytest.TempPathFactory) -> servermod.Servers:
     return servermod.start(kubectl, api, images["SERVERS_IMAGE"],

@@ -149,6 +149,15 @@ class Node:
                 log(f"waiting for another e2e run holding {LOCK}")
                 fcntl.flock(self._lockf, fcntl.LOCK_EX)
 
+    def unlock(self) -> None:
+        """Let the next e2e node have the machine. A pytest run holds stages in one
+        process: a lock left to garbage collection would make the next stage's Node wait
+        on its own process for ever."""
+        if self._lockf is not None:
+            fcntl.flock(self._lockf, fcntl.LOCK_UN)
+            self._lockf.close()
+            self._lockf = None
+
     # ---- recorded processes
     def spawn(
         self,
@@ -613,6 +622,7 @@ def node_up(slots: int | None = None) -> Iterator[Node]:
         yield n
     finally:
         n.down()
+        n.unlock()
 
 
 def main() -> None:

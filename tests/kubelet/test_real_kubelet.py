@@ -246,6 +246,7 @@ def kube_node() -> Iterator[Any]:
         yield node
     finally:
         node.down()
+        node.unlock()
 
 
 def wait_registered(node: Any, since: int, when: str) -> list[str]:
