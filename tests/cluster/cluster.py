@@ -324,28 +324,27 @@ class Cluster(Node):
                  90, "kube-apiserver /readyz", interval=0.5,
                  detail=lambda: tail(self.logdir / "kube-apiserver.log"))
 
+    def spawn_controller(self, name: str, identity: str, port: int, *extra: str) -> None:
+        """kube-controller-manager or kube-scheduler: its own kubeconfig for the API and
+        for checking callers of its secure port, which listens on loopback only."""
+        kc = f"{self.pki.root}/{identity}.kubeconfig"
+        self.spawn(name, [
+            str(self.bins / name),
+            f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
+            f"--authorization-kubeconfig={kc}",
+            "--bind-address=127.0.0.1", f"--secure-port={port}", "--port=0",
+            "--leader-elect=false", "--v=1", *extra,
+        ])
+
     def start_controllers(self) -> None:
         p = self.pki.root
-        cm = f"{p}/controller-manager.kubeconfig"
-        self.spawn("kube-controller-manager", [
-            str(self.bins / "kube-controller-manager"),
-            f"--kubeconfig={cm}", f"--authentication-kubeconfig={cm}",
-            f"--authorization-kubeconfig={cm}",
-            "--bind-address=127.0.0.1", f"--secure-port={CONTROLLER_MANAGER_PORT}", "--port=0",
+        self.spawn_controller(
+            "kube-controller-manager", "controller-manager", CONTROLLER_MANAGER_PORT,
             # One identity per controller: with the manager's own, the DaemonSet controller
             # is refused controllerrevisions.
             "--use-service-account-credentials=true",
-            f"--service-account-private-key-file={p}/sa.key", f"--root-ca-file={p}/ca.crt",
-            "--leader-elect=false", "--v=1",
-        ])
-        sched = f"{p}/scheduler.kubeconfig"
-        self.spawn("kube-scheduler", [
-            str(self.bins / "kube-scheduler"),
-            f"--kubeconfig={sched}", f"--authentication-kubeconfig={sched}",
-            f"--authorization-kubeconfig={sched}",
-            "--bind-address=127.0.0.1", f"--secure-port={SCHEDULER_PORT}", "--port=0",
-            "--leader-elect=false", "--v=1",
-        ])
+            f"--service-account-private-key-file={p}/sa.key", f"--root-ca-file={p}/ca.crt")
+        self.spawn_controller("kube-scheduler", "scheduler", SCHEDULER_PORT)
         # The controllers are ready when the `default` ServiceAccount exists (the
         # serviceaccount controller made it with its own token).
         wait_for(lambda: self.alive("kube-controller-manager") and self.alive("kube-scheduler")

@@ -6,9 +6,7 @@ any order."""
 
 from __future__ import annotations
 
-import os
 import platform
-import stat
 import subprocess
 import sys
 import time
@@ -41,6 +39,7 @@ from tests.cluster.kube import (
     wait_allocatable,
     wait_mounted,
 )
+from tests.kubelet.node import skip_reason as node_skip_reason
 from tests.kubelet.node import tail
 
 HERE = Path(__file__).resolve().parent
@@ -49,16 +48,8 @@ SETUP_TIMEOUT = 2700
 
 
 def skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "cluster stage needs root (it runs etcd, an API server, containerd, a kubelet)"
-    try:
-        st = os.stat("/dev/fuse")
-    except FileNotFoundError:
-        return "cluster stage needs /dev/fuse, which this machine lacks"
-    if not stat.S_ISCHR(st.st_mode) or os.major(st.st_rdev) != 10 or os.minor(st.st_rdev) != 229:
-        return "/dev/fuse here is not the FUSE char device 10:229"
     found = find_kubectl()
-    return found if isinstance(found, str) else None
+    return node_skip_reason("cluster stage") or (found if isinstance(found, str) else None)
 
 
 def first_line(*argv: str) -> str:

@@ -228,3 +228,12 @@ def wait_mounted(kubectl: Kubectl, api: Api, pod: str, mountpoint: str, fstype: 
     line: str = wait_for(seen, 120, f"{fstype} mounted at {mountpoint} in {pod}", interval=1,
                          detail=detail)
     return line
+
+
+def seccomp_seen(kubectl: Kubectl, api: Api, pod: str) -> tuple[dict[str, str], str]:
+    """The seccomp profile the stored pod names, and the kernel's `Seccomp:` line for its
+    container (2: a filter is on)."""
+    p = next(x for x in api.pods(EXAMPLES_NS) if x["metadata"]["name"] == pod)
+    profile: dict[str, str] = p["spec"]["containers"][0]["securityContext"]["seccompProfile"]
+    return profile, exec_in(kubectl, EXAMPLES_NS, pod, "grep ^Seccomp: /proc/self/status")
+

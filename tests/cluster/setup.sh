@@ -16,8 +16,7 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 KUBELET_SETUP="$HERE/../kubelet/setup.sh"
 FDP_CACHE="${FDP_CACHE:-/var/cache/fuse-device-plugin}"
-APT=(apt-get -o DPkg::Lock::Timeout=900 -o Acquire::Retries=3)
-export DEBIAN_FRONTEND=noninteractive FDP_CACHE
+export FDP_CACHE
 
 log() { echo "[cluster-setup $(date +%H:%M:%S)] $*" >&2; }
 
@@ -27,17 +26,7 @@ log() { echo "[cluster-setup $(date +%H:%M:%S)] $*" >&2; }
 # etcd, the image builder, pod networking, certificates, the node's bridge address.
 PKGS=(etcd-server podman containernetworking-plugins openssl iproute2 debootstrap)
 
-do_packages() {
-    local missing=() p
-    for p in "${PKGS[@]}"; do
-        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
-    done
-    if [ ${#missing[@]} -gt 0 ]; then
-        log "installing: ${missing[*]}"
-        "${APT[@]}" update -q >&2
-        "${APT[@]}" install -y -q --no-install-recommends "${missing[@]}" >&2
-    fi
-}
+do_packages() { FDP_SETUP_LOCKED=1 "$KUBELET_SETUP" packages "${PKGS[@]}"; }
 
 bin_dir() { FDP_SETUP_LOCKED=1 "$KUBELET_SETUP" dir; }
 

@@ -47,6 +47,7 @@ from tests.cluster.kube import (
     fuse_resources,
     pod_summary,
     rollout,
+    seccomp_seen,
     wait_allocatable,
     wait_gone,
     wait_mounted,
@@ -65,6 +66,13 @@ def plugin_log(kubectl: Kubectl, pod: str) -> str:
     """The plugin container's log; empty while the kubelet cannot serve it yet (just
     after a kubelet restart the API server relays `NotFound` for a few moments)."""
     return kubectl.run("-n", PLUGIN_NS, "logs", pod, check=False).stdout
+
+
+def assert_under_preset(profile: dict[str, str], mode: str, preset: str, proof: str) -> None:
+    """The stored pod names the preset's Localhost profile and the kernel filters."""
+    assert profile == {"type": "Localhost",
+                       "localhostProfile": f"fuse-device-plugin/{preset}.json"}, proof
+    assert re.search(r"Seccomp:\s+2", mode), proof
 
 
 # ---------------------------------------------------------------- 1. apply -k
@@ -165,18 +173,14 @@ def test_sshfs_example_mounts_with_its_localhost_seccomp_profile(
     read = exec_in(kubectl, EXAMPLES_NS, sshfs_pod, "cat /mnt/remote/in.txt")
     exec_in(kubectl, EXAMPLES_NS, sshfs_pod, f"echo from-pod-{token} > /mnt/remote/out.txt")
     back = exec_in(kubectl, SERVERS_NS, "sshd", "cat /srv/data/out.txt")
-    pod = next(p for p in api.pods(EXAMPLES_NS) if p["metadata"]["name"] == sshfs_pod)
-    profile = pod["spec"]["containers"][0]["securityContext"]["seccompProfile"]
-    mode = exec_in(kubectl, EXAMPLES_NS, sshfs_pod, "grep ^Seccomp: /proc/self/status")
+    profile, mode = seccomp_seen(kubectl, api, sshfs_pod)
     unshare = exec_in(kubectl, EXAMPLES_NS, sshfs_pod, "unshare --mount true; echo rc=$?")
     mount = exec_in(kubectl, EXAMPLES_NS, sshfs_pod, "grep ' /mnt/remote ' /proc/mounts")
     proof = evidence("sshfs", mount, f"server -> pod: {read}", f"pod -> server: {back}",
                      f"seccompProfile {profile}; {mode}; unshare: {unshare}")
     assert read == f"from-server-{token}", proof
     assert back == f"from-pod-{token}", proof
-    assert profile == {"type": "Localhost",
-                       "localhostProfile": "fuse-device-plugin/sshfs.json"}, proof
-    assert re.search(r"Seccomp:\s+2", mode), proof
+    assert_under_preset(profile, mode, "sshfs", proof)
     assert "Operation not permitted" in unshare, proof
     assert "rc=1" in unshare, proof
 
@@ -225,16 +229,12 @@ def test_s3fs_example_mounts_a_moto_bucket(
             return body
 
         back = wait_for(uploaded, 30, "out.txt in the bucket").decode().strip()
-        live = next(p for p in api.pods(EXAMPLES_NS) if p["metadata"]["name"] == S3FS_POD)
-        profile = live["spec"]["containers"][0]["securityContext"]["seccompProfile"]
-        mode = exec_in(kubectl, EXAMPLES_NS, S3FS_POD, "grep ^Seccomp: /proc/self/status")
+        profile, mode = seccomp_seen(kubectl, api, S3FS_POD)
         proof = evidence("s3fs", mount, f"bucket -> pod: {read}", f"pod -> bucket: {back}",
                          f"seccompProfile {profile}; {mode}")
         assert read == f"from-s3-{token}", proof
         assert back == f"from-pod-{token}", proof
-        assert profile == {"type": "Localhost",
-                           "localhostProfile": "fuse-device-plugin/s3fs.json"}, proof
-        assert re.search(r"Seccomp:\s+2", mode), proof
+        assert_under_preset(profile, mode, "s3fs", proof)
     finally:
         delete_pod(kubectl, api, EXAMPLES_NS, S3FS_POD)
         kubectl("-n", EXAMPLES_NS, "delete", "secret", "s3fs-credentials", "--ignore-not-found")

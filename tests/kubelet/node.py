@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -531,6 +532,19 @@ class Node:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def skip_reason(stage: str) -> str | None:
+    """Why this machine cannot run a stage that starts a kubelet, or None."""
+    if os.geteuid() != 0:
+        return f"{stage} needs root (it runs containerd, a kubelet and mounts)"
+    try:
+        st = os.stat("/dev/fuse")
+    except FileNotFoundError:
+        return f"{stage} needs /dev/fuse, which this machine lacks"
+    if not stat.S_ISCHR(st.st_mode) or os.major(st.st_rdev) != 10 or os.minor(st.st_rdev) != 229:
+        return "/dev/fuse here is not the FUSE char device 10:229"
+    return None
 
 
 def find_kubelet() -> Path:

@@ -2,7 +2,7 @@
 # Idempotent node setup for the real-kubelet e2e stage (issue 6).
 #
 #   tests/kubelet/setup.sh            # everything (packages, kubelet, images)
-#   tests/kubelet/setup.sh packages   # only Debian packages (+ deb-src line)
+#   tests/kubelet/setup.sh packages [PKG...]  # only Debian packages (+ deb-src line)
 #   tests/kubelet/setup.sh kubelet    # only the kubelet build (cached)
 #   tests/kubelet/setup.sh images     # only pause + workload OCI images (cached)
 #   tests/kubelet/setup.sh build ./cmd/kube-scheduler ...   # more binaries of the same tree
@@ -45,9 +45,10 @@ SRC
     "${APT[@]}" update -q >&2
 }
 
+# do_packages [EXTRA...]: this stage's packages and the caller's extra ones.
 do_packages() {
     local missing=()
-    for p in "${PKGS[@]}"; do
+    for p in "${PKGS[@]}" "$@"; do
         dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
     done
     if [ ${#missing[@]} -gt 0 ]; then
@@ -137,7 +138,7 @@ if [ "${1:-all}" != path ] && [ "${1:-all}" != dir ] && [ -z "${FDP_SETUP_LOCKED
 fi
 
 case "${1:-all}" in
-    packages) do_packages ;;
+    packages) shift; do_packages "$@" ;;
     kubelet) do_packages; do_kubelet ;;
     images) do_packages; "$HERE/images.sh" "$(kubelet_dir)" ;;
     build) shift; do_packages; do_build "$@" ;;
