@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -49,6 +50,8 @@ HEALTHZ = "http://127.0.0.1:10248/healthz"
 CONTAINERD_SOCK = STATE / "containerd" / "containerd.sock"
 MANIFESTS = STATE / "manifests"
 PIDS = STATE / "pids"
+# One e2e node at a time on this machine: this stage and tests/cluster take this lock.
+LOCK = DATA / "lock"
 RESOURCE = "github.com/fuse"
 RUN_ANNOTATION = "fuse-device-plugin.e2e/run"
 
@@ -110,28 +113,49 @@ def proc_start_time(pid: int) -> int | None:
 
 
 class Node:
+    """A private containerd and a kubelet, processes recorded under ``state``/pids.
+
+    ``state``, ``data`` and ``logdir`` default to this stage's; tests/cluster passes its
+    own, so the two stages never share a containerd. They do share the kubelet's root
+    (/var/lib/kubelet, hard-coded by kubelet 1.20 for device plugins) and so one lock."""
+
+    # teardown order: consumers before what they consume
+    stop_order: tuple[str, ...] = tuple(STOP_ORDER)
+
     def __init__(
-        self, kubelet_bin: Path | None = None, plugin_bin: Path | None = None, lock: bool = True
+        self,
+        kubelet_bin: Path | None = None,
+        plugin_bin: Path | None = None,
+        lock: bool = True,
+        *,
+        state: Path = STATE,
+        data: Path = DATA,
+        logdir: Path = LOGDIR,
     ) -> None:
+        self.state, self.data, self.logdir = state, data, logdir
+        self.containerd_sock = state / "containerd" / "containerd.sock"
+        self.manifests = state / "manifests"
+        self.pids = state / "pids"
         self.kubelet_bin = kubelet_bin or find_kubelet()
         self.plugin_bin = plugin_bin or find_plugin()
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.images = read_images_env()
         self._lockf = None
         if lock:
-            DATA.mkdir(parents=True, exist_ok=True)
-            self._lockf = open(DATA / "lock", "w")  # noqa: SIM115
+            LOCK.parent.mkdir(parents=True, exist_ok=True)
+            self._lockf = open(LOCK, "w")  # noqa: SIM115
             try:
                 fcntl.flock(self._lockf, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                log(f"waiting for another e2e run holding {DATA / 'lock'}")
+                log(f"waiting for another e2e run holding {LOCK}")
                 fcntl.flock(self._lockf, fcntl.LOCK_EX)
 
-    def release(self) -> None:
-        """Give up the e2e lock taken in __init__, so that another Node may run. flock
-        locks belong to the open file: a second Node in this same process (the next test
-        module's) would otherwise wait for this one forever."""
+    def unlock(self) -> None:
+        """Let the next e2e node have the machine. A pytest run holds stages in one
+        process: a lock left to garbage collection would make the next stage's Node wait
+        on its own process for ever."""
         if self._lockf is not None:
+            fcntl.flock(self._lockf, fcntl.LOCK_UN)
             self._lockf.close()
             self._lockf = None
 
@@ -143,8 +167,8 @@ class Node:
         logfile: Path | None = None,
         env: dict[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
-        PIDS.mkdir(parents=True, exist_ok=True)
-        logfile = logfile or LOGDIR / f"{name}.log"
+        self.pids.mkdir(parents=True, exist_ok=True)
+        logfile = logfile or self.logdir / f"{name}.log"
         logfile.parent.mkdir(parents=True, exist_ok=True)
         out = open(logfile, "ab")  # noqa: SIM115
         out.write(f"\n==== {time.strftime('%F %T')} start {' '.join(argv)}\n".encode())
@@ -159,7 +183,7 @@ class Node:
         )
         out.close()
         st = proc_start_time(p.pid)
-        (PIDS / f"{name}.json").write_text(
+        (self.pids / f"{name}.json").write_text(
             json.dumps({"pid": p.pid, "start_time": st, "argv": argv, "log": str(logfile)})
         )
         self.children[name] = p
@@ -168,7 +192,7 @@ class Node:
 
     def record(self, name: str) -> dict[str, Any] | None:
         try:
-            rec: dict[str, Any] = json.loads((PIDS / f"{name}.json").read_text())
+            rec: dict[str, Any] = json.loads((self.pids / f"{name}.json").read_text())
             return rec
         except (OSError, ValueError):
             return None
@@ -206,12 +230,12 @@ class Node:
         if p is not None:
             p.wait()
         with contextlib.suppress(FileNotFoundError):
-            (PIDS / f"{name}.json").unlink()
+            (self.pids / f"{name}.json").unlink()
 
     # ---- containerd
     def ctr(self, *args: str, check: bool = True, timeout: float = 120) -> str:
         r = subprocess.run(
-            ["ctr", "--address", str(CONTAINERD_SOCK), "--namespace", "k8s.io", *args],
+            ["ctr", "--address", str(self.containerd_sock), "--namespace", "k8s.io", *args],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -221,22 +245,37 @@ class Node:
             raise RuntimeError(f"ctr {' '.join(args)} failed ({r.returncode}): {r.stderr.strip()}")
         return r.stdout
 
+    def cni_dirs(self) -> tuple[Path, Path]:
+        """(bin_dir, conf_dir) for containerd's CRI: empty here, so every pod is hostNetwork."""
+        return self.state / "cni" / "bin", self.state / "cni" / "net.d"
+
+    def wanted_images(self) -> list[tuple[str, str]]:
+        """(reference, tarball) of every image the node's pods use, imported if missing."""
+        return [(self.images[f"{k}_IMAGE"], self.images[f"{k}_TAR"]) for k in ("PAUSE", "WORKLOAD")]
+
     def start_containerd(self) -> None:
+        cni_bin, cni_conf = self.cni_dirs()
         for d in [
-            STATE / "containerd" / "state",
-            DATA / "containerd" / "root",
-            STATE / "cni" / "bin",
-            STATE / "cni" / "net.d",
+            self.state / "containerd" / "state",
+            self.data / "containerd" / "root",
+            cni_bin,
+            cni_conf,
         ]:
             d.mkdir(parents=True, exist_ok=True)
-        cfg = STATE / "containerd.toml"
-        render(HERE / "containerd.toml.in", cfg, PAUSE_IMAGE=self.images["PAUSE_IMAGE"])
+        cfg = self.state / "containerd.toml"
+        self.render(
+            HERE / "containerd.toml.in",
+            cfg,
+            PAUSE_IMAGE=self.images["PAUSE_IMAGE"],
+            CNI_BIN_DIR=str(cni_bin),
+            CNI_CONF_DIR=str(cni_conf),
+        )
         self.spawn("containerd", ["containerd", "--config", str(cfg)])
         wait_for(
             lambda: (
                 self.alive("containerd")
                 and subprocess.run(
-                    ["ctr", "--address", str(CONTAINERD_SOCK), "version"],
+                    ["ctr", "--address", str(self.containerd_sock), "version"],
                     capture_output=True,
                     check=False,
                 ).returncode
@@ -244,71 +283,77 @@ class Node:
             ),
             30,
             "containerd to serve its socket",
-            detail=lambda: tail(LOGDIR / "containerd.log"),
+            detail=lambda: tail(self.logdir / "containerd.log"),
         )
+        wanted = self.wanted_images()
         have = set(self.ctr("images", "ls", "-q").split())
-        for key in ["PAUSE", "WORKLOAD"]:
-            ref = self.images[f"{key}_IMAGE"]
-            if ref not in have:
-                log(f"importing {ref}")
-                self.ctr("images", "import", self.images[f"{key}_TAR"])
+        for tar in dict.fromkeys(tar for ref, tar in wanted if ref not in have):
+            log(f"importing {tar}")
+            self.ctr("images", "import", tar, timeout=600)
         have = set(self.ctr("images", "ls", "-q").split())
-        missing = [
-            self.images[f"{k}_IMAGE"]
-            for k in ["PAUSE", "WORKLOAD"]
-            if self.images[f"{k}_IMAGE"] not in have
-        ]
+        missing = [ref for ref, _ in wanted if ref not in have]
         if missing:
             raise RuntimeError(
                 f"images not in containerd after import: {missing}; have {sorted(have)}"
             )
 
+    def render(self, src: Path, dst: Path, **extra: str) -> None:
+        """Copy a template, filling @STATE@, @DATA@ and the @NAME@s given."""
+        render(src, dst, STATE=str(self.state), DATA=str(self.data), **extra)
+
     # ---- kubelet
+    node_name = NODE_NAME
+    healthz = HEALTHZ
+
+    def kubelet_argv(self) -> list[str]:
+        """The standalone kubelet: static pods from a directory, no API server."""
+        cfg = self.state / "kubelet-config.yaml"
+        self.render(HERE / "kubelet-config.yaml.in", cfg)
+        sock = f"unix://{self.containerd_sock}"
+        return [
+            str(self.kubelet_bin),
+            f"--config={cfg}",
+            "--container-runtime=remote",
+            f"--container-runtime-endpoint={sock}",
+            f"--image-service-endpoint={sock}",
+            f"--root-dir={KUBELET_ROOT}",
+            f"--hostname-override={self.node_name}",
+            f"--pod-infra-container-image={self.images['PAUSE_IMAGE']}",
+            f"--seccomp-profile-root={SECCOMP_ROOT}",
+            "--v=2",
+        ]
+
+    def wait_kubelet_serving(self) -> None:
+        wait_for(
+            lambda: self.pods() is not None,
+            30,
+            "kubelet read-only port /pods",
+            detail=lambda: tail(self.logdir / "kubelet.log"),
+        )
+
     def start_kubelet(self) -> None:
-        MANIFESTS.mkdir(parents=True, exist_ok=True)
+        self.manifests.mkdir(parents=True, exist_ok=True)
         for d in [KUBELET_ROOT, DEVICE_PLUGIN_DIR, SECCOMP_ROOT]:
             d.mkdir(parents=True, exist_ok=True)
         # The kubelet bind-mounts its root dir onto itself to make it rshared;
         # remember that it was not a mount point so teardown undoes exactly that.
         if str(KUBELET_ROOT) not in mountpoints():
-            (STATE / "kubelet-root-bind-mounted").touch()
-        cfg = STATE / "kubelet-config.yaml"
-        render(HERE / "kubelet-config.yaml.in", cfg)
-        sock = f"unix://{CONTAINERD_SOCK}"
-        self.kubelet_log_offset = log_size(LOGDIR / "kubelet.log")
-        self.spawn(
-            "kubelet",
-            [
-                str(self.kubelet_bin),
-                f"--config={cfg}",
-                "--container-runtime=remote",
-                f"--container-runtime-endpoint={sock}",
-                f"--image-service-endpoint={sock}",
-                f"--root-dir={KUBELET_ROOT}",
-                f"--hostname-override={NODE_NAME}",
-                f"--pod-infra-container-image={self.images['PAUSE_IMAGE']}",
-                f"--seccomp-profile-root={SECCOMP_ROOT}",
-                "--v=2",
-            ],
-        )
+            (self.state / "kubelet-root-bind-mounted").touch()
+        self.kubelet_log_offset = log_size(self.logdir / "kubelet.log")
+        self.spawn("kubelet", self.kubelet_argv())
         wait_for(
-            lambda: self.alive("kubelet") and http_get(HEALTHZ) == "ok",
+            lambda: self.alive("kubelet") and http_get(self.healthz) == "ok",
             60,
             "kubelet healthz",
-            detail=lambda: tail(LOGDIR / "kubelet.log"),
+            detail=lambda: tail(self.logdir / "kubelet.log"),
         )
-        wait_for(
-            lambda: self.pods() is not None,
-            30,
-            "kubelet read-only port /pods",
-            detail=lambda: tail(LOGDIR / "kubelet.log"),
-        )
+        self.wait_kubelet_serving()
         # The device manager serves kubelet.sock once it has started.
         wait_for(
             (DEVICE_PLUGIN_DIR / "kubelet.sock").is_socket,
             30,
             "kubelet.sock in the device-plugin dir",
-            detail=lambda: tail(LOGDIR / "kubelet.log"),
+            detail=lambda: tail(self.logdir / "kubelet.log"),
         )
 
     def restart_kubelet(self) -> None:
@@ -332,7 +377,7 @@ class Node:
     def start_plugin(self, slots: int, *extra: str) -> int:
         """Start the plugin (``extra``: more serve flags); returns the kubelet log offset
         before it started."""
-        off = log_size(LOGDIR / "kubelet.log")
+        off = log_size(self.logdir / "kubelet.log")
         self.spawn("plugin", self.plugin_argv(slots, *extra))
         return off
 
@@ -359,21 +404,21 @@ class Node:
             },
             "spec": spec,
         }
-        MANIFESTS.mkdir(parents=True, exist_ok=True)
-        tmp = MANIFESTS / f".{name}.json.tmp"  # the kubelet ignores dot-files
+        self.manifests.mkdir(parents=True, exist_ok=True)
+        tmp = self.manifests / f".{name}.json.tmp"  # the kubelet ignores dot-files
         tmp.write_text(json.dumps(manifest, indent=1))
-        tmp.rename(MANIFESTS / f"{name}.json")
+        tmp.rename(self.manifests / f"{name}.json")
         return run_id
 
     def remove_pod(self, name: str, timeout: float = 60) -> None:
         with contextlib.suppress(FileNotFoundError):
-            (MANIFESTS / f"{name}.json").unlink()
+            (self.manifests / f"{name}.json").unlink()
         full = f"{name}-{NODE_NAME}"
         wait_for(
             lambda: all(p["metadata"]["name"] != full for p in (self.pods() or [])),
             timeout,
             f"pod {full} to be removed by the kubelet",
-            detail=lambda: tail(LOGDIR / "kubelet.log"),
+            detail=lambda: tail(self.logdir / "kubelet.log"),
         )
 
     def find_pod(self, name: str, run_id: str) -> dict[str, Any] | None:
@@ -398,17 +443,17 @@ class Node:
     # ---- whole node
     def up(self, slots: int | None = None, plugin_args: tuple[str, ...] = ()) -> None:
         self.down(quiet=True)
-        LOGDIR.mkdir(parents=True, exist_ok=True)
+        self.logdir.mkdir(parents=True, exist_ok=True)
         for n in ["containerd", "kubelet", "plugin"]:
             with contextlib.suppress(FileNotFoundError):
-                (LOGDIR / f"{n}.log").unlink()
+                (self.logdir / f"{n}.log").unlink()
         self.start_containerd()
         if slots is not None:
             self.start_plugin(slots, *plugin_args)
         self.start_kubelet()
 
     def down(self, quiet: bool = False) -> None:
-        manifests = list(MANIFESTS.glob("*")) if MANIFESTS.is_dir() else []
+        manifests = list(self.manifests.glob("*")) if self.manifests.is_dir() else []
         for m in manifests:
             m.unlink()
         if self.alive("kubelet") and manifests:
@@ -416,11 +461,11 @@ class Node:
                 wait_for(lambda: not self.pods(), 60, "the kubelet to remove all static pods")
             except Timeout as exc:
                 log(str(exc))
-        for name in STOP_ORDER:
+        for name in self.stop_order:
             if name == "containerd":
                 self.remove_containers()
             self.stop(name)
-        for rec in PIDS.glob("*.json") if PIDS.is_dir() else []:
+        for rec in self.pids.glob("*.json") if self.pids.is_dir() else []:
             self.stop(rec.stem)
         self.kill_recorded_shims()
         self.unmount_all()
@@ -444,7 +489,7 @@ class Node:
 
     def kill_recorded_shims(self) -> None:
         """Shims and container inits that containerd recorded under our private state dir."""
-        tasks = STATE / "containerd" / "state" / "io.containerd.runtime.v2.task"
+        tasks = self.state / "containerd" / "state" / "io.containerd.runtime.v2.task"
         if not tasks.is_dir():
             return
         for pidfile in list(tasks.glob("*/*/init.pid")) + list(tasks.glob("*/*/shim.pid")):
@@ -455,8 +500,9 @@ class Node:
                 os.kill(pid, signal.SIGKILL)
 
     def unmount_all(self) -> None:
-        roots = [str(STATE), str(DATA), str(KUBELET_ROOT / "pods"), str(KUBELET_ROOT / "plugins")]
-        marker = STATE / "kubelet-root-bind-mounted"
+        roots = [str(self.state), str(self.data)]
+        roots += [str(KUBELET_ROOT / "pods"), str(KUBELET_ROOT / "plugins")]
+        marker = self.state / "kubelet-root-bind-mounted"
         if marker.exists():
             while str(KUBELET_ROOT) in mountpoints():
                 subprocess.run(["umount", str(KUBELET_ROOT)], check=True)
@@ -476,7 +522,7 @@ class Node:
 
     def status(self) -> str:
         lines = []
-        for rec in sorted(PIDS.glob("*.json")) if PIDS.is_dir() else []:
+        for rec in sorted(self.pids.glob("*.json")) if self.pids.is_dir() else []:
             r = json.loads(rec.read_text())
             lines.append(
                 f"{rec.stem:12} pid {r['pid']:>7} {'alive' if self.alive(rec.stem) else 'gone'}"
@@ -488,6 +534,19 @@ class Node:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def skip_reason(stage: str) -> str | None:
+    """Why this machine cannot run a stage that starts a kubelet, or None."""
+    if os.geteuid() != 0:
+        return f"{stage} needs root (it runs containerd, a kubelet and mounts)"
+    try:
+        st = os.stat("/dev/fuse")
+    except FileNotFoundError:
+        return f"{stage} needs /dev/fuse, which this machine lacks"
+    if not stat.S_ISCHR(st.st_mode) or os.major(st.st_rdev) != 10 or os.minor(st.st_rdev) != 229:
+        return "/dev/fuse here is not the FUSE char device 10:229"
+    return None
 
 
 def find_kubelet() -> Path:
@@ -523,7 +582,8 @@ def read_images_env() -> dict[str, str]:
 
 
 def render(src: Path, dst: Path, **extra: str) -> None:
-    text = src.read_text().replace("@STATE@", str(STATE)).replace("@DATA@", str(DATA))
+    extra = {"STATE": str(STATE), "DATA": str(DATA), **extra}
+    text = src.read_text()
     for k, v in extra.items():
         text = text.replace(f"@{k}@", v)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -578,6 +638,7 @@ def node_up(slots: int | None = None) -> Iterator[Node]:
         yield n
     finally:
         n.down()
+        n.unlock()
 
 
 def main() -> None:

@@ -2,9 +2,10 @@
 # Idempotent node setup for the real-kubelet e2e stage (issue 6).
 #
 #   tests/kubelet/setup.sh            # everything (packages, kubelet, images)
-#   tests/kubelet/setup.sh packages   # only Debian packages (+ deb-src line)
+#   tests/kubelet/setup.sh packages [PKG...]  # only Debian packages (+ deb-src line)
 #   tests/kubelet/setup.sh kubelet    # only the kubelet build (cached)
 #   tests/kubelet/setup.sh images     # only pause + workload OCI images (cached)
+#   tests/kubelet/setup.sh build ./cmd/kube-scheduler ...   # more binaries of the same tree
 #
 # The kubelet is built from Debian bookworm's `kubernetes` source package
 # (1.20.2) in GOPATH mode with golang-1.19-go, CGO off, and cached outside the
@@ -44,9 +45,10 @@ SRC
     "${APT[@]}" update -q >&2
 }
 
+# do_packages [EXTRA...]: this stage's packages and the caller's extra ones.
 do_packages() {
     local missing=()
-    for p in "${PKGS[@]}"; do
+    for p in "${PKGS[@]}" "$@"; do
         dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
     done
     if [ ${#missing[@]} -gt 0 ]; then
@@ -64,15 +66,13 @@ src_version() {
 
 kubelet_dir() { echo "$KCACHE/$(src_version)"; }
 
-do_kubelet() {
-    local ver dir src gopath
+# Unpack `apt-get source kubernetes` once into $KCACHE/<version>/src and link it into a
+# GOPATH; prints the tree's path.
+unpack_source() {
+    local ver dir src
     ver="$(src_version)"
     [ -n "$ver" ] || { echo "no source package 'kubernetes' visible to apt (deb-src missing?)" >&2; exit 1; }
     dir="$KCACHE/$ver"
-    if [ -x "$dir/kubelet" ] && "$dir/kubelet" --version >/dev/null 2>&1; then
-        log "kubelet cached: $dir/kubelet ($("$dir/kubelet" --version))"
-        return 0
-    fi
     mkdir -p "$dir"
     if [ ! -f "$dir/src/.unpacked" ]; then
         log "fetching source kubernetes=$ver"
@@ -82,31 +82,55 @@ do_kubelet() {
     fi
     src="$(find "$dir/src" -maxdepth 1 -mindepth 1 -type d -name 'kubernetes-*' | head -1)"
     [ -d "$src/vendor" ] || { echo "unpacked source $src has no vendor/" >&2; exit 1; }
-    gopath="$dir/gopath"
-    mkdir -p "$gopath/src/k8s.io"
-    ln -sfn "$src" "$gopath/src/k8s.io/kubernetes"
-    log "building kubelet (GOPATH mode, go 1.19, CGO off) — several minutes"
-    local t0=$SECONDS
-    # Version stamp like hack/lib/version.sh would set, so `kubelet --version` is meaningful.
-    # Debian's version is 1.20.5+really1.20.2-...: the code is upstream 1.20.2.
-    local upstream="${ver%-*}" pkg=k8s.io/kubernetes/vendor/k8s.io/component-base/version
-    upstream="${upstream##*really}"; upstream="${upstream%%[-+~]*}"
-    local ldflags="-s -w -X $pkg.gitVersion=v$upstream -X $pkg.gitMajor=${upstream%%.*}"
-    ldflags+=" -X $pkg.gitMinor=$(echo "$upstream" | cut -d. -f2) -X $pkg.gitTreeState=archive"
-    ldflags+=" -X $pkg.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
-    (
-        cd "$gopath/src/k8s.io/kubernetes"
-        export PATH=/usr/lib/go-1.19/bin:$PATH GOPATH="$gopath" GO111MODULE=off CGO_ENABLED=0 \
-               GOCACHE="$dir/gocache" GOFLAGS=
-        go build -o "$dir/kubelet.tmp" -ldflags "$ldflags" ./cmd/kubelet
-    ) >&2
-    mv "$dir/kubelet.tmp" "$dir/kubelet"
-    log "kubelet built in $((SECONDS - t0))s: $("$dir/kubelet" --version)"
-    # The Go build cache is only needed for rebuilds; drop it to save disk.
-    rm -rf "$dir/gocache"
+    mkdir -p "$dir/gopath/src/k8s.io"
+    ln -sfn "$src" "$dir/gopath/src/k8s.io/kubernetes"
+    echo "$dir/gopath/src/k8s.io/kubernetes"
 }
 
-if [ "${1:-all}" != path ]; then
+# Build Go packages of the tree (e.g. ./cmd/kubelet) into $KCACHE/<version>/<basename>,
+# each only if not there yet. One Go build cache serves every binary of one call and is
+# dropped afterwards (FDP_KEEP_GOCACHE=1 keeps it for a caller building more).
+do_build() {
+    local ver dir tree pkg name
+    ver="$(src_version)"
+    tree="$(unpack_source)"
+    dir="$KCACHE/$ver"
+    # Version stamp like hack/lib/version.sh would set, so `--version` is meaningful.
+    # Debian's version is 1.20.5+really1.20.2-...: the code is upstream 1.20.2.
+    local upstream="${ver%-*}" vpkg=k8s.io/kubernetes/vendor/k8s.io/component-base/version
+    upstream="${upstream##*really}"; upstream="${upstream%%[-+~]*}"
+    local ldflags="-s -w -X $vpkg.gitVersion=v$upstream -X $vpkg.gitMajor=${upstream%%.*}"
+    ldflags+=" -X $vpkg.gitMinor=$(echo "$upstream" | cut -d. -f2) -X $vpkg.gitTreeState=archive"
+    ldflags+=" -X $vpkg.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    for pkg in "$@"; do
+        name="$(basename "$pkg")"
+        # Written under a temporary name and renamed: present means complete.
+        if [ -x "$dir/$name" ]; then
+            log "$name cached: $dir/$name"
+            continue
+        fi
+        log "building $name (GOPATH mode, go 1.19, CGO off)"
+        local t0=$SECONDS
+        (
+            cd "$tree"
+            export PATH=/usr/lib/go-1.19/bin:$PATH GOPATH="$dir/gopath" GO111MODULE=off \
+                   CGO_ENABLED=0 GOCACHE="$dir/gocache" GOFLAGS=
+            go build -o "$dir/$name.tmp" -ldflags "$ldflags" "$pkg"
+        ) >&2
+        mv "$dir/$name.tmp" "$dir/$name"
+        log "$name built in $((SECONDS - t0))s"
+    done
+    # The Go build cache is only needed for rebuilds; drop it to save disk.
+    [ -n "${FDP_KEEP_GOCACHE:-}" ] || rm -rf "$dir/gocache"
+}
+
+do_kubelet() {
+    do_build ./cmd/kubelet
+    log "kubelet: $(kubelet_dir)/kubelet ($("$(kubelet_dir)/kubelet" --version))"
+}
+
+# FDP_SETUP_LOCKED=1: the caller (tests/cluster/setup.sh) already holds the lock.
+if [ "${1:-all}" != path ] && [ "${1:-all}" != dir ] && [ -z "${FDP_SETUP_LOCKED:-}" ]; then
     # One setup at a time per cache (a test run and a developer may start it together).
     mkdir -p "$FDP_CACHE"
     exec 9>"$FDP_CACHE/setup.lock"
@@ -114,10 +138,12 @@ if [ "${1:-all}" != path ]; then
 fi
 
 case "${1:-all}" in
-    packages) do_packages ;;
+    packages) shift; do_packages "$@" ;;
     kubelet) do_packages; do_kubelet ;;
     images) do_packages; "$HERE/images.sh" "$(kubelet_dir)" ;;
+    build) shift; do_packages; do_build "$@" ;;
     path) echo "$(kubelet_dir)/kubelet" ;;
+    dir) kubelet_dir ;;
     all) do_packages; do_kubelet; "$HERE/images.sh" "$(kubelet_dir)" ;;
-    *) echo "usage: $0 [all|packages|kubelet|images|path]" >&2; exit 2 ;;
+    *) echo "usage: $0 [all|packages|kubelet|images|path|dir|build PKG...]" >&2; exit 2 ;;
 esac

@@ -82,7 +82,7 @@ def kube_node() -> Iterator[Any]:
         yield node
     finally:
         node.down()
-        node.release()
+        node.unlock()
 
 
 def broker_events(node: Any, name: str) -> list[dict[str, Any]]:

@@ -23,7 +23,6 @@ import re
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import time
@@ -57,15 +56,7 @@ def command_output(*argv: str) -> str:
 
 
 def _skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "real-kubelet e2e stage needs root (it runs containerd, a kubelet and mounts)"
-    try:
-        st = os.stat("/dev/fuse")
-    except FileNotFoundError:
-        return "real-kubelet e2e stage needs /dev/fuse, which this machine lacks"
-    if not stat.S_ISCHR(st.st_mode) or os.major(st.st_rdev) != 10 or os.minor(st.st_rdev) != 229:
-        return "/dev/fuse here is not the FUSE char device 10:229"
-    return None
+    return nodemod.skip_reason("real-kubelet e2e stage")
 
 
 # ---------------------------------------------------------------- evidence / reporting
@@ -246,7 +237,7 @@ def kube_node() -> Iterator[Any]:
         yield node
     finally:
         node.down()
-        node.release()
+        node.unlock()
 
 
 def wait_registered(node: Any, since: int, when: str) -> list[str]:

@@ -1,0 +1,178 @@
+"""Fixtures of the cluster stage. The cluster is one per module (bring-up ~30 s once the
+binaries and images are cached), and down, its lock released, before pytest moves on to
+another stage: tests/kubelet needs the same kubelet root. Everything a test needs on it is
+made by a fixture that checks or restores its own state, so each test passes alone and in
+any order."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cluster import servers as servermod
+from tests.cluster.cluster import LOGDIR, Api, Cluster, Kubectl, find_kubectl
+from tests.cluster.kube import (
+    APPLY,
+    DEFAULT_SLOTS,
+    EVIDENCE,
+    EXAMPLES_NS,
+    INSTALLER_DS,
+    PLUGIN_DS,
+    PLUGIN_NS,
+    PLUGIN_SELECTOR,
+    SLOTS_ENV,
+    daemonset_pod,
+    delete_pod,
+    evidence,
+    example_doc,
+    example_overlay,
+    manifests_overlay,
+    plugin_env,
+    rollout,
+    wait_allocatable,
+    wait_mounted,
+)
+from tests.kubelet.node import skip_reason as node_skip_reason
+from tests.kubelet.node import tail
+
+HERE = Path(__file__).resolve().parent
+# Cold on a fresh machine: packages, the kubernetes source, five Go binaries, the images.
+SETUP_TIMEOUT = 2700
+
+
+def skip_reason() -> str | None:
+    found = find_kubectl()
+    return node_skip_reason("cluster stage") or (found if isinstance(found, str) else None)
+
+
+def first_line(*argv: str) -> str:
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=30)
+    except OSError as exc:
+        return f"? ({exc})"
+    out = (r.stdout or r.stderr).strip()
+    return out.splitlines()[0] if out else "?"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    reason = skip_reason()
+    if reason:
+        print(f"SKIPPED cluster stage: {reason}", file=sys.stderr)
+        pytest.skip(reason)
+    LOGDIR.mkdir(parents=True, exist_ok=True)
+    setup_log = LOGDIR / "setup.log"
+    t0 = time.monotonic()
+    with open(setup_log, "w") as out:
+        r = subprocess.run([str(HERE / "setup.sh"), "all"], stdout=out, stderr=subprocess.STDOUT,
+                           timeout=SETUP_TIMEOUT, check=False)
+    assert r.returncode == 0, f"setup.sh failed ({r.returncode}):\n{tail(setup_log, 60)}"
+    setup_s = time.monotonic() - t0
+    c = Cluster()
+    EVIDENCE.write_text("")
+    kubectl_path = find_kubectl()
+    assert not isinstance(kubectl_path, str), kubectl_path
+    bins = c.bins
+    evidence(
+        "versions",
+        f"setup.sh took {setup_s:.0f}s",
+        "etcd: " + first_line("etcd", "--version"),
+        "kube-apiserver: " + first_line(str(bins / "kube-apiserver"), "--version"),
+        "kube-controller-manager: " + first_line(str(bins / "kube-controller-manager"),
+                                                 "--version"),
+        "kube-scheduler: " + first_line(str(bins / "kube-scheduler"), "--version"),
+        "kubelet: " + first_line(str(bins / "kubelet"), "--version"),
+        "containerd: " + first_line("containerd", "--version"),
+        "runc: " + first_line("runc", "--version"),
+        "podman: " + first_line("podman", "--version"),
+        # Debian's build of the CNI plugins reports "version unknown": ask dpkg.
+        "CNI plugins: " + first_line("dpkg-query", "-W", "containernetworking-plugins"),
+        f"kubectl: {kubectl_path[0]} (1.{kubectl_path[1]})",
+        f"kernel: {platform.release()}",
+    )
+    t1 = time.monotonic()
+    try:
+        c.up()
+        evidence("versions", f"cluster up in {time.monotonic() - t1:.0f}s")
+        yield c
+    finally:
+        c.down()
+
+
+@pytest.fixture(scope="module")
+def kubectl(cluster: Cluster) -> Kubectl:
+    found = find_kubectl()
+    assert not isinstance(found, str), found
+    return Kubectl(found[0], cluster.admin_kubeconfig)
+
+
+@pytest.fixture(scope="module")
+def api(cluster: Cluster) -> Api:
+    return cluster.api
+
+
+@pytest.fixture(scope="module")
+def images(cluster: Cluster) -> dict[str, str]:
+    return {**cluster.images, **cluster.cluster_images}
+
+
+@pytest.fixture(scope="module")
+def overlay(tmp_path_factory: pytest.TempPathFactory, images: dict[str, str]) -> Path:
+    return manifests_overlay(tmp_path_factory.mktemp("overlay"), images["PLUGIN_IMAGE"])
+
+
+@pytest.fixture
+def deployed(cluster: Cluster, kubectl: Kubectl, api: Api, overlay: Path) -> dict[str, Any]:
+    """`kubectl apply -k` of the manifests (a no-op when they are there), the plugin at its
+    default slot count, both DaemonSets rolled out; returns the plugin's Ready pod."""
+    kubectl(*APPLY, "-k", str(overlay))
+    if any(e["name"] == SLOTS_ENV for e in plugin_env(api)):
+        kubectl("-n", PLUGIN_NS, "set", "env", f"daemonset/{PLUGIN_DS}", f"{SLOTS_ENV}-")
+    rollout(kubectl, PLUGIN_DS)
+    rollout(kubectl, INSTALLER_DS)
+    wait_allocatable(api, DEFAULT_SLOTS)
+    return daemonset_pod(api, PLUGIN_NS, PLUGIN_SELECTOR)
+
+
+@pytest.fixture(scope="module")
+def servers(cluster: Cluster, kubectl: Kubectl, api: Api, images: dict[str, str],
+            tmp_path_factory: pytest.TempPathFactory) -> servermod.Servers:
+    return servermod.start(kubectl, api, images["SERVERS_IMAGE"],
+                           tmp_path_factory.mktemp("sshkeys"))
+
+
+SSHFS_FILE = "sshfs-pod.yaml"
+SSHFS_POD = "sshfs-example"
+
+
+@pytest.fixture
+def sshfs_pod(*, deployed: dict[str, Any], servers: servermod.Servers, kubectl: Kubectl,
+              api: Api, images: dict[str, str], tmp_path: Path) -> Iterator[str]:
+    """manifests/examples/sshfs-pod.yaml with its placeholders filled in (the key, the
+    server's host key line, REMOTE) and the tool image named; Running with its mount."""
+    pod = example_doc(SSHFS_FILE, "Pod")
+    secret_name = example_doc(SSHFS_FILE, "Secret")["metadata"]["name"]
+    container = pod["spec"]["containers"][0]["name"]
+    ov = example_overlay(tmp_path, SSHFS_FILE, "fuse-example-sshfs",
+                         images["EXAMPLE_SSHFS_IMAGE"], [
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret_name},
+         "stringData": {"id_ed25519": servers.client_key,
+                        "known_hosts": f"{servers.sshd_ip} {servers.host_key_pub}\n"}},
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": SSHFS_POD},
+         "spec": {"containers": [{"name": container, "env": [
+             {"name": "REMOTE", "value": f"root@{servers.sshd_ip}:/srv/data"}]}]}},
+    ])
+    kubectl(*APPLY, "-k", str(ov))
+    try:
+        wait_mounted(kubectl, api, SSHFS_POD, "/mnt/remote", "fuse.sshfs")
+        yield SSHFS_POD
+    finally:
+        delete_pod(kubectl, api, EXAMPLES_NS, SSHFS_POD)
+        kubectl("-n", EXAMPLES_NS, "delete", "secret", secret_name, "--ignore-not-found")

@@ -1,0 +1,239 @@
+"""What the cluster tests do as a user would: kustomize overlays in temporary directories
+(the shipped files copied, changed only where the README or the example's comments say to
+change them), `kubectl apply -k`, and waits on the API's reports with deadlines."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.cluster.cluster import LOGDIR, NODE_NAME, Api, Kubectl, pod_ready
+from tests.kubelet.node import wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+MANIFESTS = REPO / "manifests"
+EXAMPLES = MANIFESTS / "examples"
+RESOURCE = "github.com/fuse"
+DEFAULT_SLOTS = 1000
+PLUGIN_NS = "fuse-device-plugin"
+EXAMPLES_NS = "fuse-examples"
+PLUGIN_DS = "fuse-device-plugin"
+INSTALLER_DS = "fuse-profile-installer"
+PLUGIN_SELECTOR = "app.kubernetes.io/component=device-plugin"
+INSTALLER_SELECTOR = "app.kubernetes.io/component=profile-installer"
+EVIDENCE = LOGDIR / "evidence.txt"
+# kubectl >= 1.22 validates against the server's OpenAPI, and the 1.20 server's has no
+# securityContext.appArmorProfile (1.30): without this kubectl refuses the manifests, and
+# the server then drops the field (test_old_server_drops_apparmor_profile shows which).
+APPLY = ("apply", "--validate=false")
+# The plugin's environment twin of --slots (README, `serve` flags).
+SLOTS_ENV = "FUSE_DEVICE_PLUGIN_SLOTS"
+
+
+def evidence(scenario: str, *lines: str) -> str:
+    """Record lines that prove a scenario (printed, and kept in LOGDIR/evidence.txt);
+    returns them joined, for assertion messages."""
+    text = "".join(f"[{scenario}] {line}\n" for line in lines)
+    print(text, end="")
+    EVIDENCE.parent.mkdir(parents=True, exist_ok=True)
+    with open(EVIDENCE, "a") as f:
+        f.write(text)
+    return text
+
+
+def quantity(value: str | None) -> int | None:
+    """An integer resource quantity as the API prints it: "1k" is 1000."""
+    if value is None:
+        return None
+    m = re.fullmatch(r"(\d+)(k|M|G)?", value)
+    if not m:
+        raise ValueError(f"not an integer quantity: {value!r}")
+    return int(m[1]) * {None: 1, "k": 10**3, "M": 10**6, "G": 10**9}[m[2]]
+
+
+def fuse_resources(api: Api) -> tuple[int | None, int | None]:
+    """The Node's (capacity, allocatable) of github.com/fuse."""
+    st = api.node()["status"]
+    return quantity(st.get("capacity", {}).get(RESOURCE)), quantity(
+        st.get("allocatable", {}).get(RESOURCE))
+
+
+def wait_allocatable(api: Api, slots: int, timeout: float = 90) -> str:
+    """Wait until the Node reports capacity and allocatable == slots; returns the line."""
+    def seen() -> str | None:
+        cap, alloc = fuse_resources(api)
+        return (f"node {NODE_NAME}: capacity {RESOURCE}={cap} allocatable={alloc}"
+                if cap == alloc == slots else None)
+
+    line: str = wait_for(seen, timeout, f"node {RESOURCE} capacity = allocatable = {slots}",
+                         interval=0.5, detail=lambda: f"node reports {fuse_resources(api)}")
+    return line
+
+
+def write_json(path: Path, obj: Any) -> None:
+    # JSON is YAML, and quotes every string: an image tag such as 577005692e27 stays a
+    # string (written as plain YAML, Go's parser reads it as a float).
+    path.write_text(json.dumps(obj, indent=1) + "\n")
+
+
+def manifests_overlay(tmp: Path, image: str) -> Path:
+    """manifests/ copied, with the README's one change: `kustomize edit set image
+    fuse-device-plugin=REGISTRY/fuse-device-plugin:TAG`, which rewrites `images:`."""
+    dst = tmp / "manifests"
+    shutil.copytree(MANIFESTS, dst)
+    k = yaml.safe_load((dst / "kustomization.yaml").read_text())
+    name, _, tag = image.rpartition(":")
+    k["images"] = [{"name": "fuse-device-plugin", "newName": name, "newTag": tag}]
+    write_json(dst / "kustomization.yaml", k)
+    return dst
+
+
+def example_overlay(tmp: Path, example: str, image_name: str, image: str,
+                    patches: list[dict[str, Any]]) -> Path:
+    """One example file with its namespace, its tool image named and the placeholders
+    replaced by strategic-merge patches, as the example's comments tell users."""
+    dst = tmp / Path(example).stem
+    dst.mkdir(parents=True)
+    for f in ["namespace.yaml", example]:
+        shutil.copy(EXAMPLES / f, dst / f)
+    name, _, tag = image.rpartition(":")
+    write_json(dst / "kustomization.yaml", {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "namespace": EXAMPLES_NS,
+        "resources": ["namespace.yaml", example],
+        "images": [{"name": image_name, "newName": name, "newTag": tag}],
+        "patches": [{"patch": json.dumps(p)} for p in patches],
+    })
+    return dst
+
+
+def example_doc(example: str, kind: str) -> dict[str, Any]:
+    for doc in yaml.safe_load_all((EXAMPLES / example).read_text()):
+        if doc and doc["kind"] == kind:
+            d: dict[str, Any] = doc
+            return d
+    raise LookupError(f"no {kind} in {example}")
+
+
+def pod_summary(pod: dict[str, Any]) -> str:
+    st = pod.get("status", {})
+    conds = ",".join(f"{c['type']}={c['status']}" for c in st.get("conditions", []))
+    waits = []
+    for c in st.get("containerStatuses", []):
+        state: dict[str, dict[str, Any]] = c.get("state", {})
+        for name, detail in state.items():
+            reason = detail.get("reason")
+            waits.append(f"{c['name']}:{name}" + (f"({reason})" if reason else ""))
+    return (f"pod {pod['metadata']['namespace']}/{pod['metadata']['name']} "
+            f"phase={st.get('phase')} {conds} containers={waits} ip={st.get('podIP')}")
+
+
+def events_text(api: Api, namespace: str, name: str) -> str:
+    return "\n".join(f"  {e.get('type')} {e.get('reason')}: {e.get('message')}"
+                     for e in api.events(namespace, name))
+
+
+def wait_pod(api: Api, namespace: str, name: str, cond: Callable[[dict[str, Any]], bool],
+             what: str, *, timeout: float = 120) -> dict[str, Any]:
+    def seen() -> dict[str, Any] | None:
+        pods = [p for p in api.pods(namespace) if p["metadata"]["name"] == name]
+        if pods and pods[0].get("status", {}).get("phase") == "Failed":
+            raise AssertionError(f"{pod_summary(pods[0])} failed\n"
+                                 + events_text(api, namespace, name))
+        return pods[0] if pods and cond(pods[0]) else None
+
+    def detail() -> str:
+        pods = [p for p in api.pods(namespace) if p["metadata"]["name"] == name]
+        return ((pod_summary(pods[0]) if pods else f"no pod {namespace}/{name}")
+                + "\nevents:\n" + events_text(api, namespace, name))
+
+    pod: dict[str, Any] = wait_for(seen, timeout, f"pod {namespace}/{name} {what}",
+                                   interval=0.5, detail=detail)
+    return pod
+
+
+def wait_ready(api: Api, namespace: str, name: str, timeout: float = 120) -> dict[str, Any]:
+    return wait_pod(api, namespace, name, pod_ready, "Ready", timeout=timeout)
+
+
+def wait_gone(api: Api, namespace: str, name: str, timeout: float = 90) -> None:
+    wait_for(lambda: all(p["metadata"]["name"] != name for p in api.pods(namespace)),
+             timeout, f"pod {namespace}/{name} to be gone", interval=0.5)
+
+
+def daemonset_pod(api: Api, namespace: str, selector: str,
+                  not_uid: str | None = None, timeout: float = 120) -> dict[str, Any]:
+    """The DaemonSet's one pod on the node, Ready (and not the one with uid not_uid)."""
+    def seen() -> dict[str, Any] | None:
+        pods = [p for p in api.pods(namespace, selector)
+                if p["metadata"]["uid"] != not_uid and "deletionTimestamp" not in p["metadata"]]
+        return pods[0] if len(pods) == 1 and pod_ready(pods[0]) else None
+
+    pod: dict[str, Any] = wait_for(
+        seen, timeout, f"one Ready pod of {selector} in {namespace}", interval=0.5,
+        detail=lambda: "\n".join(pod_summary(p) for p in api.pods(namespace, selector)))
+    return pod
+
+
+def delete_pod(kubectl: Kubectl, api: Api, namespace: str, name: str) -> None:
+    # The examples' `sleep infinity` ignores SIGTERM: do not wait out the grace period.
+    kubectl("-n", namespace, "delete", "pod", name, "--ignore-not-found", "--grace-period=1",
+            "--wait=false")
+    wait_gone(api, namespace, name)
+
+
+def exec_in(kubectl: Kubectl, namespace: str, pod: str, script: str,
+            container: str | None = None) -> str:
+    args = ["-n", namespace, "exec", pod]
+    if container:
+        args += ["-c", container]
+    r = kubectl.run(*args, "--", "/bin/sh", "-c", script, check=False, timeout=60)
+    return (r.stdout + r.stderr).strip()
+
+
+def plugin_env(api: Api) -> list[dict[str, Any]]:
+    ds = api.get(f"/apis/apps/v1/namespaces/{PLUGIN_NS}/daemonsets/{PLUGIN_DS}")
+    env: list[dict[str, Any]] = ds["spec"]["template"]["spec"]["containers"][0].get("env", [])
+    return env
+
+
+def rollout(kubectl: Kubectl, ds: str) -> str:
+    return kubectl("-n", PLUGIN_NS, "rollout", "status", f"daemonset/{ds}", "--timeout=180s",
+                   timeout=200).strip()
+
+
+def wait_mounted(kubectl: Kubectl, api: Api, pod: str, mountpoint: str, fstype: str) -> str:
+    """Wait until the pod's container has its FUSE mount; returns the /proc/mounts line."""
+    def seen() -> str | None:
+        p = [x for x in api.pods(EXAMPLES_NS) if x["metadata"]["name"] == pod]
+        if not p or p[0].get("status", {}).get("phase") != "Running":
+            return None
+        out = exec_in(kubectl, EXAMPLES_NS, pod, f"grep ' {mountpoint} ' /proc/mounts")
+        return out if fstype in out else None
+
+    def detail() -> str:
+        p = [x for x in api.pods(EXAMPLES_NS) if x["metadata"]["name"] == pod]
+        logs = kubectl.run("-n", EXAMPLES_NS, "logs", pod, "--tail=20", check=False)
+        return ((pod_summary(p[0]) if p else f"no pod {pod}") + "\nlogs:\n"
+                + (logs.stdout + logs.stderr) + "\n"
+                + json.dumps([e.get("message") for e in api.events(EXAMPLES_NS, pod)]))
+
+    line: str = wait_for(seen, 120, f"{fstype} mounted at {mountpoint} in {pod}", interval=1,
+                         detail=detail)
+    return line
+
+
+def seccomp_seen(kubectl: Kubectl, api: Api, pod: str) -> tuple[dict[str, str], str]:
+    """The seccomp profile the stored pod names, and the kernel's `Seccomp:` line for its
+    container (2: a filter is on)."""
+    p = next(x for x in api.pods(EXAMPLES_NS) if x["metadata"]["name"] == pod)
+    profile: dict[str, str] = p["spec"]["containers"][0]["securityContext"]["seccompProfile"]
+    return profile, exec_in(kubectl, EXAMPLES_NS, pod, "grep ^Seccomp: /proc/self/status")
+

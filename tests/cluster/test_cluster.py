@@ -1,0 +1,433 @@
+"""A real cluster on one machine (issue 16): etcd 3.4 and Kubernetes 1.20.2 (API server,
+controller manager, scheduler, kubelet joining as a Node) built from Debian's source,
+containerd 1.6 + runc, bridge networking; the image built from the project's Dockerfile
+with podman; everything deployed with `kubectl apply -k` as the README tells users.
+
+Set-up is tests/cluster/setup.sh (cached under /var/cache/fuse-device-plugin); the cluster
+is started and stopped by recorded PID in tests/cluster/cluster.py. Each test sets up what
+it needs through fixtures and passes alone. Logs: /var/log/fuse-device-plugin-cluster/
+(evidence.txt holds the lines that prove each scenario).
+
+The 1.20 API server predates `securityContext.appArmorProfile` (1.30): kubectl must be told
+--validate=false, and the server drops the field (test_old_server_drops_apparmor_profile).
+This node's kernel has no AppArmor, so nothing here would enforce it anyway; the AppArmor
+halves of the profiles are proven in tests/apparmor_vm.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.cluster.cluster import Api, Cluster, Kubectl, pod_ready
+from tests.cluster.kube import (
+    APPLY,
+    DEFAULT_SLOTS,
+    EXAMPLES_NS,
+    INSTALLER_DS,
+    INSTALLER_SELECTOR,
+    PLUGIN_DS,
+    PLUGIN_NS,
+    PLUGIN_SELECTOR,
+    RESOURCE,
+    SLOTS_ENV,
+    daemonset_pod,
+    delete_pod,
+    events_text,
+    evidence,
+    example_doc,
+    example_overlay,
+    exec_in,
+    fuse_resources,
+    pod_summary,
+    rollout,
+    seccomp_seen,
+    wait_allocatable,
+    wait_gone,
+    wait_mounted,
+    wait_ready,
+)
+from tests.cluster.servers import NAMESPACE as SERVERS_NS
+from tests.cluster.servers import S3_KEY, S3_SECRET, Servers
+from tests.kubelet.node import SECCOMP_ROOT, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
+
+SECCOMP_DIR = SECCOMP_ROOT / "fuse-device-plugin"
+
+
+def plugin_log(kubectl: Kubectl, pod: str) -> str:
+    """The plugin container's log; empty while the kubelet cannot serve it yet (just
+    after a kubelet restart the API server relays `NotFound` for a few moments)."""
+    return kubectl.run("-n", PLUGIN_NS, "logs", pod, check=False).stdout
+
+
+def assert_under_preset(profile: dict[str, str], mode: str, preset: str, proof: str) -> None:
+    """The stored pod names the preset's Localhost profile and the kernel filters."""
+    assert profile == {"type": "Localhost",
+                       "localhostProfile": f"fuse-device-plugin/{preset}.json"}, proof
+    assert re.search(r"Seccomp:\s+2", mode), proof
+
+
+# ---------------------------------------------------------------- 1. apply -k
+
+
+def test_apply_k_plugin_ready_and_node_reports_default_slots(
+    cluster: Cluster, kubectl: Kubectl, api: Api, overlay: Path, images: dict[str, str]
+) -> None:
+    """The README's path from nothing: the shipped kustomization with only its image
+    changed, `kubectl apply -k`; the plugin pod turns Ready through its own probes and the
+    Node reports the default 1000 slots as capacity and allocatable."""
+    kubectl("delete", "-k", str(overlay), "--ignore-not-found", "--wait=true", timeout=180)
+    wait_for(lambda: not api.pods(PLUGIN_NS), 90, "the previous plugin pods to be gone")
+    applied = kubectl(*APPLY, "-k", str(overlay)).strip().splitlines()
+    rolled = [rollout(kubectl, PLUGIN_DS), rollout(kubectl, INSTALLER_DS)]
+    pod = daemonset_pod(api, PLUGIN_NS, PLUGIN_SELECTOR)
+    c = pod["spec"]["containers"][0]
+    status = pod["status"]["containerStatuses"][0]
+    probe = c["readinessProbe"]["httpGet"]
+    line = wait_allocatable(api, DEFAULT_SLOTS)
+    proof = evidence(
+        "apply-k", *applied, *rolled, pod_summary(pod),
+        f"readinessProbe httpGet {probe['path']} port {probe['port']}, "
+        f"livenessProbe httpGet {c['livenessProbe']['httpGet']['path']}; "
+        f"container ready={status['ready']} image={status['image']}",
+        line,
+    )
+    assert status["ready"], proof
+    assert pod_ready(pod), proof
+    assert probe["path"] == "/readyz", proof
+    assert status["image"].endswith(images["PLUGIN_IMAGE"].split("/", 1)[1]), proof
+    assert " registered " in plugin_log(kubectl, pod["metadata"]["name"]), proof
+
+
+# ---------------------------------------------------------------- 2. the installer
+
+
+def test_profile_installer_puts_seccomp_profiles_where_the_kubelet_looks(
+    deployed: dict[str, Any], kubectl: Kubectl, api: Api
+) -> None:
+    """The installer DaemonSet (same image) writes every preset's seccomp profile into the
+    kubelet's Localhost root and says that this node has no AppArmor."""
+    for f in SECCOMP_DIR.glob("*.json"):
+        f.unlink()
+    old = daemonset_pod(api, PLUGIN_NS, INSTALLER_SELECTOR)
+    kubectl("-n", PLUGIN_NS, "delete", "pod", old["metadata"]["name"], "--wait=false")
+    new = daemonset_pod(api, PLUGIN_NS, INSTALLER_SELECTOR, not_uid=old["metadata"]["uid"])
+    cm = api.get(f"/api/v1/namespaces/{PLUGIN_NS}/configmaps/fuse-device-plugin-profiles")
+    wanted = sorted(k for k in cm["data"] if k.endswith(".json"))
+
+    def installed() -> list[str] | None:
+        have = sorted(f.name for f in SECCOMP_DIR.glob("*.json"))
+        return have if have == wanted else None
+
+    have = wait_for(installed, 60, f"{wanted} in {SECCOMP_DIR}",
+                    detail=lambda: kubectl("-n", PLUGIN_NS, "logs", new["metadata"]["name"]))
+    logs = kubectl("-n", PLUGIN_NS, "logs", new["metadata"]["name"]).splitlines()
+    said = [ln for ln in logs if "apparmor_unavailable" in ln]
+    seccomp_lines = [ln for ln in logs if "kind=seccomp" in ln]
+    proof = evidence("installer", f"{SECCOMP_DIR}: {have}", *seccomp_lines, *said)
+    for name in have:
+        assert json.loads((SECCOMP_DIR / name).read_text()) == json.loads(cm["data"][name]), (
+            f"{SECCOMP_DIR / name} differs from the ConfigMap's {name}\n{proof}")
+    assert said, "the installer never said that AppArmor is unavailable:\n" + "\n".join(logs)
+
+
+def test_old_server_drops_apparmor_profile(
+    deployed: dict[str, Any], kubectl: Kubectl, api: Api, overlay: Path
+) -> None:
+    """What a 1.20 API server does with the manifests' 1.30 field: kubectl (validation off)
+    sends `securityContext.appArmorProfile`, the server stores the DaemonSet without it.
+    AppArmor confinement is proven in the AppArmor VM stage instead."""
+    rendered = [d for d in yaml.safe_load_all(kubectl("kustomize", str(overlay)))
+                if d and d["kind"] == "DaemonSet" and d["metadata"]["name"] == INSTALLER_DS]
+    sent = rendered[0]["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    stored = api.get(f"/apis/apps/v1/namespaces/{PLUGIN_NS}/daemonsets/{INSTALLER_DS}")
+    kept = stored["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    proof = evidence("apparmor-field",
+                     f"sent securityContext keys: {sorted(sent)}",
+                     f"stored securityContext keys: {sorted(kept)}")
+    assert sent.get("appArmorProfile") == {"type": "Unconfined"}, proof
+    assert "appArmorProfile" not in kept, proof
+    assert set(sent) - set(kept) == {"appArmorProfile"}, proof
+
+
+# ---------------------------------------------------------------- 3. the examples
+
+
+def test_sshfs_example_mounts_with_its_localhost_seccomp_profile(
+    sshfs_pod: str, servers: Servers, kubectl: Kubectl, api: Api
+) -> None:
+    """manifests/examples/sshfs-pod.yaml against an sshd pod: the mount carries data both
+    ways, and the container runs under the Localhost profile fuse-device-plugin/sshfs.json
+    (seccomp filter on; `unshare` refused, which containerd's RuntimeDefault would allow
+    to a container holding SYS_ADMIN)."""
+    token = uuid.uuid4().hex
+    exec_in(kubectl, SERVERS_NS, "sshd", f"echo from-server-{token} > /srv/data/in.txt")
+    read = exec_in(kubectl, EXAMPLES_NS, sshfs_pod, "cat /mnt/remote/in.txt")
+    exec_in(kubectl, EXAMPLES_NS, sshfs_pod, f"echo from-pod-{token} > /mnt/remote/out.txt")
+    back = exec_in(kubectl, SERVERS_NS, "sshd", "cat /srv/data/out.txt")
+    profile, mode = seccomp_seen(kubectl, api, sshfs_pod)
+    unshare = exec_in(kubectl, EXAMPLES_NS, sshfs_pod, "unshare --mount true; echo rc=$?")
+    mount = exec_in(kubectl, EXAMPLES_NS, sshfs_pod, "grep ' /mnt/remote ' /proc/mounts")
+    proof = evidence("sshfs", mount, f"server -> pod: {read}", f"pod -> server: {back}",
+                     f"seccompProfile {profile}; {mode}; unshare: {unshare}")
+    assert read == f"from-server-{token}", proof
+    assert back == f"from-pod-{token}", proof
+    assert_under_preset(profile, mode, "sshfs", proof)
+    assert "Operation not permitted" in unshare, proof
+    assert "rc=1" in unshare, proof
+
+
+S3FS_FILE = "s3fs-pod.yaml"
+S3FS_POD = "s3fs-example"
+
+
+def test_s3fs_example_mounts_a_moto_bucket(
+    *, deployed: dict[str, Any], servers: Servers, kubectl: Kubectl, api: Api,
+    images: dict[str, str], tmp_path: Path
+) -> None:
+    """manifests/examples/s3fs-pod.yaml against moto's S3 server in the cluster: the
+    credentials and S3_URL replaced, and `-o use_path_request_style` added, which any
+    endpoint addressed by IP (moto, MinIO) needs: virtual-host style would look up
+    <bucket>.<ip>. Data both ways, under the Localhost profile s3fs.json."""
+    pod = example_doc(S3FS_FILE, "Pod")
+    c = pod["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    bucket = env["BUCKET"]
+    script = c["args"][0]
+    assert "-o use_cache=/tmp" in script, "the s3fs example's command changed: update this test"
+    token = uuid.uuid4().hex
+    s3 = servers.s3()
+    s3.create_bucket(Bucket=bucket)
+    s3.put_object(Bucket=bucket, Key="in.txt", Body=f"from-s3-{token}".encode())
+    ov = example_overlay(tmp_path, S3FS_FILE, "fuse-example-s3fs", images["EXAMPLE_S3FS_IMAGE"], [
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3fs-credentials"},
+         "stringData": {"passwd": f"{S3_KEY}:{S3_SECRET}"}},
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": S3FS_POD},
+         "spec": {"containers": [{
+             "name": c["name"],
+             "env": [{"name": "S3_URL", "value": servers.moto_url}],
+             "args": [script.replace("-o use_cache=/tmp",
+                                     "-o use_cache=/tmp -o use_path_request_style")],
+         }]}},
+    ])
+    kubectl(*APPLY, "-k", str(ov))
+    try:
+        mount = wait_mounted(kubectl, api, S3FS_POD, "/mnt/bucket", "fuse.s3fs")
+        read = exec_in(kubectl, EXAMPLES_NS, S3FS_POD, "cat /mnt/bucket/in.txt")
+        exec_in(kubectl, EXAMPLES_NS, S3FS_POD, f"echo from-pod-{token} > /mnt/bucket/out.txt")
+
+        def uploaded() -> bytes:
+            body: bytes = s3.get_object(Bucket=bucket, Key="out.txt")["Body"].read()
+            return body
+
+        back = wait_for(uploaded, 30, "out.txt in the bucket").decode().strip()
+        profile, mode = seccomp_seen(kubectl, api, S3FS_POD)
+        proof = evidence("s3fs", mount, f"bucket -> pod: {read}", f"pod -> bucket: {back}",
+                         f"seccompProfile {profile}; {mode}")
+        assert read == f"from-s3-{token}", proof
+        assert back == f"from-pod-{token}", proof
+        assert_under_preset(profile, mode, "s3fs", proof)
+    finally:
+        delete_pod(kubectl, api, EXAMPLES_NS, S3FS_POD)
+        kubectl("-n", EXAMPLES_NS, "delete", "secret", "s3fs-credentials", "--ignore-not-found")
+
+
+LXCFS_FILE = "lxcfs-daemonset.yaml"
+
+
+def test_lxcfs_example_shows_the_pods_memory_limit(
+    deployed: dict[str, Any], kubectl: Kubectl, api: Api, images: dict[str, str],
+    tmp_path: Path
+) -> None:
+    """manifests/examples/lxcfs-daemonset.yaml: the workload's /proc/meminfo, served by the
+    container's own lxcfs, shows the container's memory limit, not the node's memory."""
+    ds = example_doc(LXCFS_FILE, "DaemonSet")
+    limit = ds["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]
+    m = re.fullmatch(r"(\d+)Mi", limit)
+    assert m, f"unexpected memory limit {limit!r} in the example"
+    want_kb = int(m[1]) * 1024
+    host_kb = int(re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text())[1])  # type: ignore[index]
+    ov = example_overlay(tmp_path, LXCFS_FILE, "fuse-example-lxcfs",
+                         images["EXAMPLE_LXCFS_IMAGE"], [])
+    kubectl(*APPLY, "-k", str(ov))
+    name = ds["metadata"]["name"]
+    selector = ",".join(f"{k}={v}" for k, v in ds["spec"]["selector"]["matchLabels"].items())
+    try:
+        def meminfo() -> str | None:
+            pods = api.pods(EXAMPLES_NS, selector)
+            if not pods or pods[0]["status"].get("phase") != "Running":
+                return None
+            out = kubectl.run("-n", EXAMPLES_NS, "logs", pods[0]["metadata"]["name"],
+                              check=False).stdout
+            return out if "MemTotal" in out else None
+
+        out = wait_for(meminfo, 120, "the lxcfs workload to print /proc/meminfo", interval=1,
+                       detail=lambda: "\n".join(pod_summary(p)
+                                                for p in api.pods(EXAMPLES_NS, selector)))
+        total = re.search(r"MemTotal:\s+(\d+) kB", out)
+        shown = [ln for ln in out.splitlines() if ln.startswith(("MemTotal", "MemAvailable",
+                                                                   "CPUs", "uptime"))]
+        proof = evidence("lxcfs", *shown,
+                         f"limit {limit} = {want_kb} kB; the node has {host_kb} kB")
+        assert total, proof
+        assert int(total[1]) == want_kb, proof
+        assert want_kb != host_kb, proof
+    finally:
+        kubectl("-n", EXAMPLES_NS, "delete", "daemonset", name, "--ignore-not-found",
+                "--wait=false")
+        for p in api.pods(EXAMPLES_NS, selector):
+            delete_pod(kubectl, api, EXAMPLES_NS, p["metadata"]["name"])
+
+
+# ---------------------------------------------------------------- 4. the scheduler
+
+SCHED_NS = "fdp-e2e-sched"
+
+
+def fuse_pod(name: str, image: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": SCHED_NS},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{
+                "name": "c", "image": image, "imagePullPolicy": "IfNotPresent",
+                "command": ["/bin/sh", "-c", "test -c /dev/fuse && exec sleep 3600"],
+                "resources": {"limits": {RESOURCE: "1"}},
+            }],
+        },
+    }
+
+
+def test_scheduler_places_pods_by_fuse_slots(
+    deployed: dict[str, Any], kubectl: Kubectl, api: Api, images: dict[str, str]
+) -> None:
+    """The plugin at 2 slots: of three pods asking for one each, two run and the third stays
+    Pending with `Insufficient github.com/fuse`; deleting one lets the third run."""
+    others = [f"{p['metadata']['namespace']}/{p['metadata']['name']}" for p in api.pods()
+              if any(RESOURCE in (c.get("resources", {}).get("limits") or {})
+                     for c in p["spec"]["containers"])]
+    assert not others, f"pods already holding {RESOURCE}: {others}"
+    old = deployed["metadata"]["uid"]
+    kubectl("-n", PLUGIN_NS, "set", "env", f"daemonset/{PLUGIN_DS}", f"{SLOTS_ENV}=2")
+    names = ["fuse-a", "fuse-b", "fuse-c"]
+    try:
+        daemonset_pod(api, PLUGIN_NS, PLUGIN_SELECTOR, not_uid=old)
+        two = wait_allocatable(api, 2)
+        kubectl(*APPLY, "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": SCHED_NS}},
+            *(fuse_pod(n, images["WORKLOAD_IMAGE"]) for n in names)]}))
+
+        def split() -> tuple[list[str], list[str]] | None:
+            pods = {p["metadata"]["name"]: p for p in api.pods(SCHED_NS)}
+            running = sorted(n for n, p in pods.items() if pod_ready(p))
+            pending = sorted(n for n, p in pods.items() if p["status"].get("phase") == "Pending"
+                             and any("Insufficient github.com/fuse" in (e.get("message") or "")
+                                     for e in api.events(SCHED_NS, n)))
+            return (running, pending) if len(running) == 2 and len(pending) == 1 else None
+
+        running, pending = wait_for(
+            split, 120, "two pods Running and one Pending for lack of slots", interval=0.5,
+            detail=lambda: "\n".join(pod_summary(p) + "\n" + events_text(api, SCHED_NS,
+                                     p["metadata"]["name"]) for p in api.pods(SCHED_NS)))
+        why = events_text(api, SCHED_NS, pending[0])
+        proof = evidence("scheduler", two, f"Running: {running}", f"Pending: {pending[0]}", why)
+        assert "Insufficient github.com/fuse" in why, proof
+        kubectl("-n", SCHED_NS, "delete", "pod", running[0], "--grace-period=1", "--wait=false")
+        third = wait_ready(api, SCHED_NS, pending[0])
+        evidence("scheduler", f"deleted {running[0]}: " + pod_summary(third),
+                 events_text(api, SCHED_NS, pending[0]).splitlines()[-1])
+    finally:
+        for n in names:
+            kubectl("-n", SCHED_NS, "delete", "pod", n, "--ignore-not-found", "--grace-period=1",
+                    "--wait=false")
+        for n in names:
+            wait_gone(api, SCHED_NS, n)
+        kubectl("-n", PLUGIN_NS, "set", "env", f"daemonset/{PLUGIN_DS}", f"{SLOTS_ENV}-")
+        rollout(kubectl, PLUGIN_DS)
+        wait_allocatable(api, DEFAULT_SLOTS)
+
+
+# ---------------------------------------------------------------- 5. restarts
+
+
+def test_deleted_plugin_pod_comes_back_and_a_running_mount_keeps_working(
+    sshfs_pod: str, deployed: dict[str, Any], kubectl: Kubectl, api: Api
+) -> None:
+    """Delete the plugin pod: the DaemonSet recreates it, the Node's slots come back, and
+    the sshfs pod that got /dev/fuse from the old one still reads and writes its mount."""
+    old = daemonset_pod(api, PLUGIN_NS, PLUGIN_SELECTOR)
+    kubectl("-n", PLUGIN_NS, "delete", "pod", old["metadata"]["name"], "--wait=true")
+    new = daemonset_pod(api, PLUGIN_NS, PLUGIN_SELECTOR, not_uid=old["metadata"]["uid"])
+    line = wait_allocatable(api, DEFAULT_SLOTS)
+    token = uuid.uuid4().hex
+    exec_in(kubectl, EXAMPLES_NS, sshfs_pod, f"echo after-{token} > /mnt/remote/after.txt")
+    back = exec_in(kubectl, SERVERS_NS, "sshd", "cat /srv/data/after.txt")
+    proof = evidence("plugin-pod-deleted", f"old {old['metadata']['name']}",
+                     "new " + pod_summary(new), line,
+                     f"sshfs pod wrote through its mount afterwards: {back}")
+    assert back == f"after-{token}", proof
+
+
+def ready_heartbeat(api: Api) -> str:
+    node = api.node()
+    return str(next(c["lastHeartbeatTime"] for c in node["status"]["conditions"]
+                    if c["type"] == "Ready"))
+
+
+def test_kubelet_restart_brings_capacity_back(
+    deployed: dict[str, Any], cluster: Cluster, kubectl: Kubectl, api: Api
+) -> None:
+    """Restart the kubelet: the running plugin pod registers again on its own (no
+    container restart) and the Node's slots are back. Only Node statuses the new kubelet
+    posted count (a new heartbeat): until one, the API still shows the old kubelet's."""
+    name = deployed["metadata"]["name"]
+    restarts = deployed["status"]["containerStatuses"][0]["restartCount"]
+    before = plugin_log(kubectl, name).count(" registered ")
+    old_beat = ready_heartbeat(api)
+    cluster.restart_kubelet()
+    posted: list[tuple[int | None, int | None]] = []
+
+    def back() -> bool:
+        if ready_heartbeat(api) == old_beat:
+            return False
+        now = fuse_resources(api)
+        if not posted or posted[-1] != now:
+            posted.append(now)
+        return now == (DEFAULT_SLOTS, DEFAULT_SLOTS)
+
+    wait_for(back, 90, f"the restarted kubelet to post {RESOURCE} = {DEFAULT_SLOTS}",
+             interval=0.5, detail=lambda: f"posted (capacity, allocatable): {posted}")
+    wait_for(lambda: plugin_log(kubectl, name).count(" registered ") > before, 30,
+             "the plugin to log a new registration")
+    pod = daemonset_pod(api, PLUGIN_NS, PLUGIN_SELECTOR)
+    regs = [ln for ln in plugin_log(kubectl, name).splitlines() if " registered " in ln]
+    proof = evidence("kubelet-restart",
+                     f"(capacity, allocatable) the new kubelet posted, in turn: {posted}",
+                     *regs[-2:], pod_summary(pod))
+    assert pod["metadata"]["name"] == name, proof
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == restarts, proof
+
+
+def test_rollout_restart_completes(deployed: dict[str, Any], kubectl: Kubectl, api: Api) -> None:
+    """`kubectl rollout restart` of the plugin DaemonSet finishes: a new pod Ready and the
+    slots back."""
+    out = kubectl("-n", PLUGIN_NS, "rollout", "restart", f"daemonset/{PLUGIN_DS}").strip()
+    status = rollout(kubectl, PLUGIN_DS)
+    new = daemonset_pod(api, PLUGIN_NS, PLUGIN_SELECTOR, not_uid=deployed["metadata"]["uid"])
+    line = wait_allocatable(api, DEFAULT_SLOTS)
+    stamp = new["metadata"].get("annotations", {}).get("kubectl.kubernetes.io/restartedAt")
+    proof = evidence("rollout-restart", out, status, pod_summary(new),
+                     f"restartedAt {stamp}", line)
+    assert "successfully rolled out" in status, proof
+    assert stamp, proof
