@@ -190,7 +190,7 @@ class Lifecycle:
                 with self._turned:
                     self._turned.notify_all()
                 deadline = next_safety
-                if self._need_serve or self._need_register:
+                if self._retry_waits():
                     deadline = min(deadline, self._retry_at)
                 if self._pending is not None:
                     deadline = min(deadline, self._pending[2])
@@ -226,6 +226,12 @@ class Lifecycle:
             self._serve()
         if not self._need_serve and self._need_register and self._pending is None:
             self._register()
+
+    def _retry_waits(self) -> bool:
+        """Something waits only for its retry time. Register without a kubelet.sock waits
+        for inotify (or the safety net) instead: counting it here spun the loop."""
+        return self._need_serve or (self._need_register and self._pending is None
+                                    and self.settings.kubelet_socket.exists())
 
     def _retry_later(self) -> None:
         self._retry_at = time.monotonic() + self._backoff

@@ -14,7 +14,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from fuse_plugin import logs, plugin
 from fuse_plugin.api import api_pb2 as api
+from fuse_plugin.config import Settings
+from fuse_plugin.devices import Health, Probe
 from fuse_plugin.sim.kubelet import KubeletStandIn
 from tests.conftest import RESOURCE, Node, PluginProcess, StartPlugin
 from tests.unit.test_metrics import eventually, free_port, get
@@ -281,3 +284,21 @@ def test_metrics_on_ipv6_loopback(start_plugin: StartPlugin) -> None:
     eventually(answers, "the IPv6 metrics port answering")
     assert process.terminate() == 0
     assert "Traceback" not in process.log
+
+
+def test_loop_rests_while_no_kubelet_is_there(tmp_path: Path) -> None:
+    """With no kubelet.sock, Register waits for inotify or the safety net: the loop turns
+    a handful of times at start, then sleeps (it once retried without pause, a whole CPU)."""
+    settings = Settings(device_plugin_dir=tmp_path, fuse_device=tmp_path / "fuse",
+                        log_level="error")
+    present = Probe(Health.HEALTHY, "a stand-in for char 10:229")
+    turns = 0
+
+    def count() -> bool:
+        nonlocal turns
+        turns += 1
+        return turns > 50
+
+    with plugin.in_background(settings, logs.get(), lambda _path: present) as running:
+        assert running.lifecycle.wait_until(running.lifecycle.owns_socket, 10)
+        assert not running.lifecycle.wait_until(count, 2.0), f"{turns} turns in 2 s"
