@@ -141,9 +141,10 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
         # The audit line is DEBUG: at INFO it cost more than the rest of Allocate (~65 us),
         # the kubelet keeps which pod holds which ID in its checkpoint, and the counters
         # are in the metrics. `--log-level debug` turns the trail on.
-        logs.event(self._log, "allocate", logging.DEBUG, containers=len(containers), ids=ids,
-                   host_path=str(self._state.device),
-                   duration_ms=round(elapsed * 1000, 3))
+        if self._log.isEnabledFor(logging.DEBUG):  # skip building the fields when off
+            logs.event(self._log, "allocate", logging.DEBUG, containers=len(containers),
+                       ids=ids, host_path=str(self._state.device),
+                       duration_ms=round(elapsed * 1000, 3))
         return response
 
     def PreStartContainer(self, request: api.PreStartContainerRequest,
