@@ -1,40 +1,45 @@
-"""Benchmarks what the kubelet and a node feel, against targets (issue 7).
+"""Benchmarks what the kubelet and a node feel, against targets (issues 7 and 13).
 
 Run from the repository root::
 
     .venv/bin/python -m bench            # full run, a few minutes
     .venv/bin/python -m bench --quick    # smoke run, well under a minute
 
-Everything is measured against the real ``fuse-device-plugin serve`` process, with the
-kubelet stand-in (``fuse_plugin.standin``) in this process over real unix sockets, on a
-fake node in a temp dir (a real char device 10:229 made with mknod, so: root). Every
-figure is also taken against the floor (``bench/floor.py``: a bare grpcio server that
-answers constants) with the same client code, so the table shows how far from the floor
-each one is. Prints a table with median, p99 and PASS/FAIL per target; writes JSON to
-``bench/results/latest.json`` (or ``--out``).
+Everything is measured against the real ``fuse-device-plugin serve`` process, run with
+the flags the DaemonSet gives it (read from ``manifests/plugin-daemonset.yaml``; the
+metrics port moved to a free one), with the kubelet stand-in (``fuse_plugin.sim.kubelet``)
+in this process over real unix sockets, on a fake node in a temp dir (a real char device
+10:229 made with mknod, so: root). Every figure is also taken against the floor
+(``bench/floor.py``: a bare grpcio server that answers constants) with the same client
+code, so the table shows how far from the floor each one is. Prints a table with
+median, p99 and PASS/FAIL per target; writes JSON to ``bench/results/latest.json`` (or
+``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import platform
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
+import yaml
 
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.api import api_pb2_grpc
@@ -44,6 +49,7 @@ from fuse_plugin.sim.kubelet import KubeletStandIn
 from fuse_plugin.sim.node import FakeNode
 
 HERE = Path(__file__).resolve().parent
+DAEMONSET = HERE.parent / "manifests" / "plugin-daemonset.yaml"
 RESULTS = HERE / "results" / "latest.json"
 RESOURCE = "github.com/fuse"
 FLOOR_RESOURCE = "bench.floor/fuse"
@@ -52,6 +58,8 @@ MIB = 1024 * 1024
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 RPC_TIMEOUT = 5.0
 WAIT = 10.0
+RSS_MIB = 38
+IDLE_MS_PER_S = 0.2
 # Exit code when the run completed but a target was missed (a crash exits 1).
 EXIT_TARGET_MISSED = 3
 
@@ -64,25 +72,28 @@ class Sizes:
     starts: int = 10
     health: int = 40
     streams: int = 4
-    seq_calls: int = 3000
-    seq_rounds: int = 3
+    # Allocate against the floor: this many rounds, each process in turn, each round a
+    # sequential run of seq_calls and conc_seconds of conc_clients concurrent clients.
+    alloc_rounds: int = 30
+    seq_calls: int = 500
     conc_clients: int = 32
-    conc_seconds: float = 2.0
-    conc_rounds: int = 3
+    conc_seconds: float = 0.4
     scale_slots: tuple[int, ...] = (10, 1000, 10_000)
     scale_streams: int = 30
     scale_calls: int = 3000
     scale_rounds: int = 10
+    deployed_calls: int = 10_000  # Allocates, and as many scrapes and probes, before RSS
     mem_allocates: int = 100_000
     mem_restarts: int = 1000
     mem_budget: float = 150.0  # seconds for both memory loops together, at most
+    idle_seconds: float = 20.0
     slots: int = 1000
 
 
 FULL = Sizes()
-QUICK = Sizes(rereg=5, starts=2, health=5, seq_calls=300, seq_rounds=1, conc_seconds=0.5,
-              conc_rounds=1, scale_streams=3, scale_calls=300, scale_rounds=3, mem_allocates=2000,
-              mem_restarts=20, mem_budget=30.0)
+QUICK = Sizes(rereg=5, starts=2, health=5, alloc_rounds=3, seq_calls=100, conc_seconds=0.2,
+              scale_streams=3, scale_calls=300, scale_rounds=3, deployed_calls=500,
+              mem_allocates=2000, mem_restarts=20, mem_budget=30.0, idle_seconds=2.0)
 
 
 # -- numbers -----------------------------------------------------------------------------
@@ -119,6 +130,7 @@ class Proc:
     socket: Path
     resource: str
     started: float
+    metrics_port: int = 0
 
     @property
     def pid(self) -> int:
@@ -131,9 +143,17 @@ class Proc:
         keys = ("VmRSS", "RssAnon", "RssFile", "Threads")
         return {k: _status_kib(self.pid, k) for k in keys}
 
+    def tasks(self) -> list[int]:
+        return [int(t) for t in os.listdir(f"/proc/{self.pid}/task")]
+
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+        """CPU time of every thread, in nanoseconds (schedstat) rather than the 10 ms
+        ticks of /proc/PID/stat, which are too coarse for a 100 ms round."""
+        return sum(_schedstat(self.pid, tid)[0] for tid in self.tasks()) / 1e9
+
+    def wakeups(self) -> int:
+        """Times any thread was switched in (the kernel's run-queue count)."""
+        return sum(_schedstat(self.pid, tid)[1] for tid in self.tasks())
 
     def stop(self) -> None:
         if self.popen.poll() is None:
@@ -152,6 +172,32 @@ def _status_kib(pid: int, key: str) -> int:
     raise KeyError(key)
 
 
+def _schedstat(pid: int, tid: int) -> tuple[int, int]:
+    """(ns on a CPU, times scheduled) of one thread; a thread gone meanwhile counts 0."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
+    except OSError:
+        return 0, 0
+    return int(fields[0]), int(fields[2])
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def deployed_flags() -> list[str]:
+    """``serve``'s flags as the DaemonSet passes them, read from its manifest."""
+    for doc in yaml.safe_load_all(DAEMONSET.read_text()):
+        if doc and doc.get("kind") == "DaemonSet":
+            args: list[str] = doc["spec"]["template"]["spec"]["containers"][0]["args"]
+            if args[:1] != ["serve"]:
+                raise ValueError(f"{DAEMONSET}: the plugin's args do not start with serve")
+            return args[1:]
+    raise ValueError(f"{DAEMONSET} holds no DaemonSet")
+
+
 def plugin_command() -> list[str]:
     exe = Path(sys.executable).parent / "fuse-device-plugin"
     if exe.exists():
@@ -159,15 +205,24 @@ def plugin_command() -> list[str]:
     return [sys.executable, "-m", "fuse_plugin"]
 
 
-def start_plugin(node: FakeNode, slots: int) -> Proc:
-    log = node.root / f"plugin-{time.monotonic_ns()}.log"
+def start_plugin(node: FakeNode, slots: int, flags: Sequence[str]) -> Proc:
+    """``serve`` with ``flags``; a metrics port among them is moved to a free one, so
+    that several plugins (and one already on this machine) can run at once."""
+    port = 0
     argv = [*plugin_command(), "serve", "--device-plugin-dir", str(node.plugin_dir),
             "--fuse-device", str(node.device), "--slots", str(slots)]
+    for flag in flags:
+        if flag.split("=", 1)[0] == "--metrics-port" and flag != "--metrics-port=0":
+            port = free_port()
+            argv.append(f"--metrics-port={port}")
+        else:
+            argv.append(flag)
+    log = node.root / f"plugin-{time.monotonic_ns()}.log"
     with log.open("wb") as out:
         started = time.perf_counter()
         popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     return Proc(popen, log, node.plugin_dir / (RESOURCE.replace("/", "_") + ".sock"), RESOURCE,
-                started)
+                started, port)
 
 
 def write_floor_constants(directory: Path, device: Path, slots: int) -> None:
@@ -210,8 +265,10 @@ def start_floor(node: FakeNode, slots: int, watch: bool) -> Proc:
 Starter = Callable[[FakeNode, int], Proc]
 
 
-def plugin_starter(node: FakeNode, slots: int) -> Proc:
-    return start_plugin(node, slots)
+def plugin_starter(flags: Sequence[str]) -> Starter:
+    def start(node: FakeNode, slots: int) -> Proc:
+        return start_plugin(node, slots, flags)
+    return start
 
 
 def floor_starter(node: FakeNode, slots: int) -> Proc:
@@ -358,38 +415,6 @@ def measure_health(node: FakeNode, kubelet: KubeletStandIn, proc: Proc, runs: in
 
 # -- 4. Allocate latency and throughput --------------------------------------------------
 
-def allocate_sequential(procs: dict[str, Proc], calls: int, rounds: int
-                        ) -> dict[str, dict[str, Any]]:
-    """The kubelet's pattern: one channel, one Allocate at a time; processes take turns."""
-    samples: dict[str, list[float]] = {name: [] for name in procs}
-    cpu = dict.fromkeys(procs, 0.0)
-    elapsed = dict.fromkeys(procs, 0.0)
-    with ExitStack() as stack:
-        stubs = {}
-        for name, proc in procs.items():
-            channel = stack.enter_context(channel_to(proc))
-            stubs[name] = api_pb2_grpc.DevicePluginStub(channel).Allocate
-            for _ in range(200):  # warm up the channel and the server's threads
-                stubs[name](ALLOCATE, timeout=RPC_TIMEOUT)
-        for _ in range(rounds):
-            for name, allocate in stubs.items():
-                mine = samples[name]
-                cpu_before = procs[name].cpu_seconds()
-                started = time.perf_counter()
-                for _ in range(calls):
-                    t = time.perf_counter()
-                    allocate(ALLOCATE, timeout=RPC_TIMEOUT)
-                    mine.append(time.perf_counter() - t)
-                elapsed[name] += time.perf_counter() - started
-                cpu[name] += procs[name].cpu_seconds() - cpu_before
-    out = {}
-    for name, values in samples.items():
-        out[name] = summary(values)
-        out[name]["per_second"] = round(len(values) / elapsed[name])
-        out[name]["server_cpu_us"] = round(cpu[name] / len(values) * 1e6, 1)
-    return out
-
-
 class _Clients:
     """``count`` client threads, each with its own channel, each with one call in flight."""
 
@@ -430,35 +455,108 @@ class _Clients:
             channel.close()
 
 
-def allocate_concurrent(procs: dict[str, Proc], clients: int, seconds: float, rounds: int,
-                        ) -> dict[str, dict[str, Any]]:
-    """``clients`` threads, each with its own channel and one Allocate always in flight;
-    processes take turns, one round each."""
-    samples: dict[str, list[float]] = {name: [] for name in procs}
-    elapsed = dict.fromkeys(procs, 0.0)
-    cpu = dict.fromkeys(procs, 0.0)
-    pools = {name: _Clients(proc, clients) for name, proc in procs.items()}
+@contextmanager
+def pinned(procs: Iterable[Proc]) -> Iterator[None]:
+    """Every server on the last CPU, this process (the clients) on the others.
+
+    Unpinned, each Allocate wakes gRPC's threads on whichever CPU is free, and where the
+    scheduler puts them moved a process's CPU per call by 10-20 % between two runs of the
+    same code, more than the differences measured here. Pinned, two floors agree within
+    a few per cent. (Absolute figures drop too: one CPU keeps its caches warm.)
+    """
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2:
+        yield
+        return
+    server, clients = {max(cpus)}, cpus - {max(cpus)}
+    for proc in procs:
+        for tid in proc.tasks():
+            with suppress(OSError):
+                os.sched_setaffinity(tid, server)
+    mine = [int(t) for t in os.listdir("/proc/self/task")]
+    for tid in mine:
+        with suppress(OSError):
+            os.sched_setaffinity(tid, clients)
     try:
-        for _ in range(rounds):
-            for name, pool in pools.items():
-                cpu_before = procs[name].cpu_seconds()
-                latencies, took = pool.round(seconds)
-                cpu[name] += procs[name].cpu_seconds() - cpu_before
-                samples[name] += latencies
-                elapsed[name] += took
+        yield
     finally:
+        for task in os.listdir("/proc/self/task"):
+            with suppress(OSError):
+                os.sched_setaffinity(int(task), cpus)
+
+
+def allocate_turns(procs: dict[str, Proc], sizes: Sizes) -> dict[str, dict[str, Any]]:
+    """Allocate against every process in turns, ``sizes.alloc_rounds`` times.
+
+    Each turn is a sequential run (one channel, one call at a time: the kubelet's
+    pattern) and then ``conc_clients`` threads, each with its own channel and one call
+    always in flight. The order flips every round. Each figure is also divided by the
+    floor's in the same round, and the median of those ratios is reported: load that
+    comes and goes falls on both sides of each ratio.
+    """
+    names = list(procs)
+    seq: dict[str, list[list[float]]] = {n: [] for n in names}
+    conc: dict[str, list[list[float]]] = {n: [] for n in names}
+    seq_cpu: dict[str, list[float]] = {n: [] for n in names}
+    conc_cpu: dict[str, list[float]] = {n: [] for n in names}
+    seq_rate: dict[str, list[float]] = {n: [] for n in names}
+    conc_rate: dict[str, list[float]] = {n: [] for n in names}
+    with ExitStack() as stack:
+        stubs = {}
+        for name, proc in procs.items():
+            channel = stack.enter_context(channel_to(proc))
+            stubs[name] = api_pb2_grpc.DevicePluginStub(channel).Allocate
+            for _ in range(200):  # warm up the channel and the server's threads
+                stubs[name](ALLOCATE, timeout=RPC_TIMEOUT)
+        pools = {name: _Clients(proc, sizes.conc_clients) for name, proc in procs.items()}
         for pool in pools.values():
-            pool.close()
-    out = {}
-    for name, values in samples.items():
-        result = summary(values)
-        result["per_second"] = round(len(values) / elapsed[name])
-        result["server_cpu_us"] = round(cpu[name] / max(1, len(values)) * 1e6, 1)
-        result["clients"] = clients
+            stack.callback(pool.close)
+        stack.enter_context(pinned(procs.values()))
+        for turn in range(sizes.alloc_rounds):
+            for name in names if turn % 2 == 0 else reversed(names):
+                proc, allocate = procs[name], stubs[name]
+                latencies = []
+                cpu = proc.cpu_seconds()
+                started = time.perf_counter()
+                for _ in range(sizes.seq_calls):
+                    t = time.perf_counter()
+                    allocate(ALLOCATE, timeout=RPC_TIMEOUT)
+                    latencies.append(time.perf_counter() - t)
+                seq_rate[name].append(sizes.seq_calls / (time.perf_counter() - started))
+                seq_cpu[name].append((proc.cpu_seconds() - cpu) / sizes.seq_calls)
+                seq[name].append(latencies)
+                cpu = proc.cpu_seconds()
+                latencies, took = pools[name].round(sizes.conc_seconds)
+                conc_rate[name].append(len(latencies) / took)
+                conc_cpu[name].append((proc.cpu_seconds() - cpu) / max(1, len(latencies)))
+                conc[name].append(latencies)
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        sequential = summary([x for r in seq[name] for x in r])
+        sequential["per_second"] = round(statistics.median(seq_rate[name]))
+        sequential["server_cpu_us"] = round(statistics.median(seq_cpu[name]) * 1e6, 1)
+        concurrent = summary([x for r in conc[name] for x in r])
+        concurrent["per_second"] = round(statistics.median(conc_rate[name]))
+        concurrent["server_cpu_us"] = round(statistics.median(conc_cpu[name]) * 1e6, 1)
+        concurrent["clients"] = sizes.conc_clients
         # Little's law: with every client always waiting, the mean latency can be no
         # lower than clients / throughput, whatever the server does with its time.
-        result["queueing_bound_ms"] = round(clients / result["per_second"] * 1000, 3)
-        out[name] = result
+        concurrent["queueing_bound_ms"] = round(
+            sizes.conc_clients / concurrent["per_second"] * 1000, 3)
+        out[name] = {"sequential": sequential, "concurrent": concurrent}
+    base = names[-1]  # the floor comes last
+
+    def ratio(values: dict[str, list[float]], name: str) -> dict[str, float]:
+        ratios = sorted(a / b for a, b in zip(values[name], values[base], strict=True))
+        return {"median": round(statistics.median(ratios), 3),
+                "q1": round(percentile(ratios, 25), 3), "q3": round(percentile(ratios, 75), 3)}
+
+    p50 = {n: [statistics.median(r) for r in seq[n]] for n in names}
+    for name in names:
+        out[name]["vs_floor"] = {
+            "sequential_p50": ratio(p50, name), "sequential_cpu": ratio(seq_cpu, name),
+            "concurrent_throughput": ratio(conc_rate, name),
+            "concurrent_cpu": ratio(conc_cpu, name)}
     return out
 
 
@@ -503,8 +601,22 @@ def measure_scale(starters: dict[str, Starter], sizes: Sizes) -> dict[str, dict[
 
 # -- 6. memory ---------------------------------------------------------------------------
 
+PROBES = ("/metrics", "/healthz", "/readyz")
+
+
+def scrape(proc: Proc, path: str) -> None:
+    """One GET as Prometheus or the kubelet's probe sends it: a connection of its own."""
+    connection = http.client.HTTPConnection("127.0.0.1", proc.metrics_port, timeout=WAIT)
+    try:
+        connection.request("GET", path)
+        connection.getresponse().read()
+    finally:
+        connection.close()
+
+
 def memory_soak(kubelet: KubeletStandIn, proc: Proc, sizes: Sizes) -> dict[str, Any]:
-    """RSS after start, then halfway and after N Allocates and M kubelet restarts.
+    """RSS after start; as deployed, after Allocates and as many scrapes and probes; then
+    halfway and after N Allocates and M kubelet restarts.
 
     The Allocates come the way the kubelet sends them: one at a time on the stand-in's
     own channel. (RSS after a 32-client stress is reported apart, as ``stress``.)
@@ -512,12 +624,14 @@ def memory_soak(kubelet: KubeletStandIn, proc: Proc, sizes: Sizes) -> dict[str, 
     deadline = time.monotonic() + sizes.mem_budget
     out: dict[str, Any] = {"start": proc.status()}
 
-    def allocates(count: int) -> int:
+    def allocates(count: int, scrapes: bool = False) -> int:
         allocate = kubelet.stub(proc.resource).Allocate
         for done in range(count):
             if time.monotonic() > deadline:
                 return done
             allocate(ALLOCATE, timeout=RPC_TIMEOUT)
+            if scrapes and proc.metrics_port:
+                scrape(proc, PROBES[done % len(PROBES)])
         return count
 
     def restarts(count: int) -> int:
@@ -530,8 +644,11 @@ def memory_soak(kubelet: KubeletStandIn, proc: Proc, sizes: Sizes) -> dict[str, 
             kubelet.wait_devices(proc.resource, bool, WAIT)
         return count
 
+    out["deployed_calls"] = allocates(sizes.deployed_calls, scrapes=True)
+    out["scraped"] = bool(proc.metrics_port)
+    out["deployed"] = proc.status()
     half = sizes.mem_allocates // 2
-    out["allocates"] = allocates(half)
+    out["allocates"] = out["deployed_calls"] + allocates(half - sizes.deployed_calls)
     out["allocates_half"] = proc.status()
     out["allocates"] += allocates(sizes.mem_allocates - half)
     out["allocates_done"] = proc.status()
@@ -544,27 +661,51 @@ def memory_soak(kubelet: KubeletStandIn, proc: Proc, sizes: Sizes) -> dict[str, 
     return out
 
 
+# -- 7. idle -----------------------------------------------------------------------------
+
+def measure_idle(starters: dict[str, Starter], sizes: Sizes) -> dict[str, dict[str, Any]]:
+    """CPU and wake-ups of each process, registered, with the kubelet's one ListAndWatch
+    stream open and nothing happening, all measured over the same seconds."""
+    with ExitStack() as stack:
+        procs = {}
+        for name, start in starters.items():
+            node = stack.enter_context(fake_node())
+            procs[name], _ = stack.enter_context(running(node, start, sizes.slots))
+        for proc in procs.values():
+            settle(proc, 1.0)  # start-up's own work done (the stream is already open)
+        before = {name: (proc.cpu_seconds(), proc.wakeups()) for name, proc in procs.items()}
+        started = time.perf_counter()
+        time.sleep(sizes.idle_seconds)
+        took = time.perf_counter() - started
+        return {name: {
+            "cpu_ms_per_s": round((proc.cpu_seconds() - before[name][0]) * 1000 / took, 3),
+            "wakeups_per_s": round((proc.wakeups() - before[name][1]) / took, 2),
+            "threads": len(proc.tasks()), "seconds": round(took, 1)}
+            for name, proc in procs.items()}
+
+
 # -- putting it together -----------------------------------------------------------------
 
-def measure_all(sizes: Sizes, progress: Callable[[str], None]
+def measure_all(sizes: Sizes, flags: Sequence[str], progress: Callable[[str], None]
                 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Every figure for the plugin and for the floor; where a figure is compared with
-    the floor, the two take turns so that background load falls on both alike."""
-    plugin: dict[str, Any] = {}
+    """Every figure for the plugin (run with ``flags``) and for the floor; where a figure
+    is compared with the floor, the two take turns so that load falls on both alike."""
+    plugin: dict[str, Any] = {"flags": list(flags)}
     floor: dict[str, Any] = {}
     both = {"plugin": plugin, "floor": floor}
-    starters: dict[str, Starter] = {"plugin": plugin_starter, "floor": floor_starter}
+    ours = plugin_starter(flags)
+    starters: dict[str, Starter] = {"plugin": ours, "floor": floor_starter}
     progress("start -> registered")
     for name, figure in measure_start(starters, sizes.slots, sizes.starts).items():
         both[name]["start"] = figure
     progress("re-registration and health")
-    watchers: dict[str, Starter] = {"plugin": plugin_starter, "floor": floor_watch_starter}
+    watchers: dict[str, Starter] = {"plugin": ours, "floor": floor_watch_starter}
     for name, watcher in watchers.items():
         with fake_node() as node, running(node, watcher, sizes.slots) as (proc, kubelet):
             both[name]["reregister"] = measure_reregistration(kubelet, proc, sizes.rereg)
             both[name]["health"] = measure_health(node, kubelet, proc, sizes.health,
                                                   sizes.streams)
-    progress("Allocate")
+    progress("Allocate, taking turns with the floor")
     with ExitStack() as stack:
         procs: dict[str, Proc] = {}
         for name, starter in starters.items():
@@ -573,18 +714,17 @@ def measure_all(sizes: Sizes, progress: Callable[[str], None]
         for proc in procs.values():
             settle(proc)
         before = {name: proc.status() for name, proc in procs.items()}
-        sequential = allocate_sequential(procs, sizes.seq_calls, sizes.seq_rounds)
-        concurrent = allocate_concurrent(procs, sizes.conc_clients, sizes.conc_seconds,
-                                         sizes.conc_rounds)
-        for name, proc in procs.items():
-            both[name]["allocate_sequential"] = sequential[name]
-            both[name]["allocate_concurrent"] = concurrent[name]
-            both[name]["stress"] = {"start": before[name], "after": proc.status()}
+        for name, figure in allocate_turns(procs, sizes).items():
+            both[name]["allocate"] = figure
+            both[name]["stress"] = {"start": before[name], "after": procs[name].status()}
     progress("scale")
     for name, figure in measure_scale(starters, sizes).items():
         both[name]["scale"] = figure
-    progress("memory soak (Allocates, then kubelet restarts)")
-    with fake_node() as node, running(node, plugin_starter, sizes.slots) as (proc, kubelet):
+    progress("idle, one ListAndWatch open")
+    for name, figure in measure_idle(starters, sizes).items():
+        both[name]["idle"] = figure
+    progress("memory soak (Allocates and scrapes, Allocates, then kubelet restarts)")
+    with fake_node() as node, running(node, ours, sizes.slots) as (proc, kubelet):
         settle(proc)
         plugin["memory"] = memory_soak(kubelet, proc, sizes)
     return plugin, floor
@@ -601,11 +741,53 @@ class Row:
     target: str = ""
     ok: bool | None = None
     key: str = ""
+    ratio: float | None = None  # to the floor, when not simply median / floor median
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _ms(stats: dict[str, Any]) -> tuple[float, float]:
     return stats["median_ms"], stats["p99_ms"]
+
+
+def _allocate_rows(rows: list[Row], alloc: dict[str, Any], falloc: dict[str, Any]) -> int:
+    """Allocate against the floor: the ratios are medians of per-round ratios."""
+    seq, fseq = alloc["sequential"], falloc["sequential"]
+    conc, fconc = alloc["concurrent"], falloc["concurrent"]
+    vs = alloc["vs_floor"]
+
+    def against_floor(key: str, figure: str, *, ours: float, base: float, unit: str,
+                      ratio: dict[str, float], at_most: float | None = None,
+                      at_least: float | None = None, p99: float | None = None,
+                      floor_p99: float | None = None) -> None:
+        ok, target = None, ""
+        if at_most is not None:
+            ok, target = ratio["median"] <= at_most, f"<= {at_most:g}x floor"
+        elif at_least is not None:
+            ok, target = ratio["median"] >= at_least, f">= {at_least:g}x floor"
+        rows.append(Row(figure, ours, p99, unit, base, floor_p99, target, ok, key,
+                        ratio=ratio["median"], extra={"vs_floor": ratio}))
+
+    against_floor("allocate_sequential", "4. Allocate, 1 client sequential (p50)",
+                  ours=seq["median_ms"], base=fseq["median_ms"], unit="ms",
+                  ratio=vs["sequential_p50"], at_most=1.05, p99=seq["p99_ms"],
+                  floor_p99=fseq["p99_ms"])
+    against_floor("allocate_cpu", "   server CPU per Allocate (sequential)",
+                  ours=seq["server_cpu_us"], base=fseq["server_cpu_us"], unit="us",
+                  ratio=vs["sequential_cpu"], at_most=1.05)
+    rows.append(Row("   throughput, sequential", seq["per_second"], None, "/s",
+                    fseq["per_second"], key="throughput_sequential"))
+    clients = conc["clients"]
+    against_floor("throughput_concurrent", f"   throughput, {clients} concurrent clients",
+                  ours=conc["per_second"], base=fconc["per_second"], unit="/s",
+                  ratio=vs["concurrent_throughput"], at_least=0.95)
+    # No target for latency under 32 clients: it is clients / throughput (Little's law).
+    rows.append(Row(f"   Allocate, {clients} concurrent clients (p50)", conc["median_ms"],
+                    conc["p99_ms"], "ms", fconc["median_ms"], fconc["p99_ms"],
+                    key="allocate_concurrent"))
+    against_floor("allocate_concurrent_cpu", f"   server CPU per Allocate ({clients} clients)",
+                  ours=conc["server_cpu_us"], base=fconc["server_cpu_us"], unit="us",
+                  ratio=vs["concurrent_cpu"])
+    return int(clients)
 
 
 def build_rows(plugin: dict[str, Any], floor: dict[str, Any], sizes: Sizes) -> list[Row]:
@@ -636,17 +818,7 @@ def build_rows(plugin: dict[str, Any], floor: dict[str, Any], sizes: Sizes) -> l
            h["unhealthy"], fh["unhealthy"], limit=25)
     timing("health_healthy", f"   device restored -> Healthy on all {n} streams", h["healthy"],
            fh["healthy"], limit=25)
-    seq, fseq = plugin["allocate_sequential"], floor["allocate_sequential"]
-    conc, fconc = plugin["allocate_concurrent"], floor["allocate_concurrent"]
-    timing("allocate_sequential", "4. Allocate, 1 client sequential", seq, fseq, limit=1)
-    timing("allocate_concurrent", f"   Allocate, {conc['clients']} concurrent clients", conc,
-           fconc, limit=5)
-    rows.append(Row("   throughput, sequential", seq["per_second"], None, "/s",
-                    fseq["per_second"], key="throughput_sequential"))
-    rows.append(Row(f"   throughput, {conc['clients']} clients", conc["per_second"], None, "/s",
-                    fconc["per_second"], key="throughput_concurrent"))
-    rows.append(Row("   server CPU per Allocate (sequential)", seq["server_cpu_us"], None, "us",
-                    fseq["server_cpu_us"], key="allocate_cpu"))
+    clients = _allocate_rows(rows, plugin["allocate"], floor["allocate"])
     scale, fscale = plugin["scale"], floor["scale"]
     smallest, largest = str(min(sizes.scale_slots)), str(max(sizes.scale_slots))
     for slots in (str(s) for s in sizes.scale_slots):
@@ -668,15 +840,17 @@ def build_rows(plugin: dict[str, Any], floor: dict[str, Any], sizes: Sizes) -> l
                         target, ok, f"scale_{slots}_allocate"))
     mem, stress, fstress = plugin["memory"], plugin["stress"], floor["stress"]
     fstart = fstress["start"]["VmRSS"] / 1024
+    scraped = f" and {mem['deployed_calls']:,} scrapes" if mem["scraped"] else ""
     for key, label, floor_value in (
-            ("start", "6. RSS after start", fstart),
+            ("start", "6. RSS after registration", fstart),
+            ("deployed", f"   RSS after {mem['deployed_calls']:,} Allocates{scraped}", None),
             ("allocates_done", f"   RSS after {mem['allocates']:,} Allocates (kubelet's client)",
              None),
             ("restarts_done", f"   RSS after {mem['restarts']:,} kubelet restarts", None)):
         value = mem[key]["VmRSS"] / 1024
         rows.append(Row(label, round(value, 1), None, "MiB",
                         round(floor_value, 1) if floor_value else None,
-                        target="<= 40 MiB", ok=value <= 40, key=f"rss_{key}",
+                        target=f"<= {RSS_MIB} MiB", ok=value <= RSS_MIB, key=f"rss_{key}",
                         extra={"rss_anon_mib": round(mem[key]["RssAnon"] / 1024, 1),
                                "rss_file_mib": round(mem[key]["RssFile"] / 1024, 1),
                                "threads": mem[key]["Threads"]}))
@@ -689,10 +863,23 @@ def build_rows(plugin: dict[str, Any], floor: dict[str, Any], sizes: Sizes) -> l
                     extra={"allocates": round(grow_alloc, 2),
                            "restarts": round(grow_restart, 2)}))
     after = stress["after"]["VmRSS"] / 1024
-    rows.append(Row(f"   RSS after the Allocate stress ({conc['clients']} clients; no target)",
+    rows.append(Row(f"   RSS after the Allocate stress ({clients} clients; no target)",
                     round(after, 1), None, "MiB", round(fstress["after"]["VmRSS"] / 1024, 1),
                     key="rss_after_stress",
                     extra={"threads": stress["after"]["Threads"]}))
+    idle, fidle = plugin["idle"], floor["idle"]
+    rows.append(Row("7. idle CPU, one ListAndWatch open", idle["cpu_ms_per_s"], None, "ms/s",
+                    fidle["cpu_ms_per_s"], key="idle_cpu",
+                    extra={"wakeups_per_s": idle["wakeups_per_s"],
+                           "floor_wakeups_per_s": fidle["wakeups_per_s"]}))
+    # gRPC's own threads wake several times a second in any grpcio server (the floor
+    # shows how often): what is ours is what the plugin spends beyond that.
+    beyond = round(idle["cpu_ms_per_s"] - fidle["cpu_ms_per_s"], 3)
+    rows.append(Row("   idle CPU beyond the floor's", beyond, None, "ms/s",
+                    target=f"<= {IDLE_MS_PER_S} ms/s", ok=beyond <= IDLE_MS_PER_S,
+                    key="idle_cpu_beyond_floor",
+                    extra={"wakeups_per_s": round(idle["wakeups_per_s"]
+                                                  - fidle["wakeups_per_s"], 2)}))
     return rows
 
 
@@ -705,6 +892,8 @@ def _fmt(value: float | None, unit: str) -> str:
         return f"{value:.0f} us"
     if unit == "MiB":
         return f"{value:.1f} MiB"
+    if unit == "ms/s":
+        return f"{value:.2f} ms/s"
     return f"{value:.3f}" if value < 10 else f"{value:.1f}"
 
 
@@ -714,7 +903,9 @@ def table(rows: list[Row]) -> str:
     lines = []
     for row in rows:
         ratio = ""
-        if row.median is not None and row.floor_median:
+        if row.ratio is not None:
+            ratio = f"{row.ratio:.3f}x"
+        elif row.median is not None and row.floor_median:
             ratio = f"{row.median / row.floor_median:.2f}x"
         result = "" if row.ok is None else ("PASS" if row.ok else "FAIL")
         lines.append((row.figure, _fmt(row.median, row.unit), _fmt(row.p99, row.unit),
@@ -734,6 +925,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small smoke run (seconds)")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON path ({RESULTS})")
+    parser.add_argument("--serve-flags", metavar="FLAGS", type=str.split,
+                        help="run serve with these flags instead of the DaemonSet's "
+                             "(e.g. '--metrics-port=0' for a plugin without metrics)")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         print("bench: needs root (the fake node's FUSE device is made with mknod)",
@@ -747,7 +941,13 @@ def main(argv: list[str] | None = None) -> int:
     def progress(what: str) -> None:
         print(f"[{time.monotonic() - began:6.1f}s] {what}", file=sys.stderr, flush=True)
 
-    plugin, floor = measure_all(sizes, progress)
+    try:
+        flags = deployed_flags() if args.serve_flags is None else args.serve_flags
+    except (OSError, ValueError, yaml.YAMLError) as err:
+        print(f"bench: cannot read the DaemonSet's flags: {err}", file=sys.stderr)
+        return 2
+    progress(f"serve {' '.join(flags)} (the plugin's flags)")
+    plugin, floor = measure_all(sizes, flags, progress)
     rows = build_rows(plugin, floor, sizes)
     targets = [r for r in rows if r.ok is not None]
     result = {
@@ -758,6 +958,7 @@ def main(argv: list[str] | None = None) -> int:
                     "grpcio": grpc.__version__, "kernel": platform.release(),
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "sizes": {k: getattr(sizes, k) for k in sizes.__dataclass_fields__},
+        "serve_flags": flags,
         "figures": {r.key: {"figure": r.figure.strip(" .").strip(), "median": r.median,
                             "p99": r.p99, "unit": r.unit, "floor_median": r.floor_median,
                             "floor_p99": r.floor_p99, "target": r.target or None,

@@ -30,23 +30,22 @@ def fail(message: str, code: int = EXIT_FAILURE) -> int:
     return code
 
 
-def _lean_process(metrics: bool) -> None:
+def _lean_process() -> None:
     """Trim what a serve process of its own holds and spends; no behaviour changes.
 
     Applied only in a fresh process (the console script, ``python -m fuse_plugin``),
     not when a test calls ``cmd_serve`` in a process that has already loaded grpc.
 
-    - grpc imports asyncio, and http.server (the probes' port) imports http.client, and
-      both import Python's ssl and with it OpenSSL: ~4 MiB of RSS and ~9 ms of start-up
-      that serve never uses (plain gRPC on unix sockets, plain HTTP for the probes;
-      gRPC's own TLS is inside its C core). ``ssl`` is hidden only while they load (both
-      take a missing ssl as "no TLS"), so a later ``import ssl`` still works.
+    - grpc imports asyncio, which imports Python's ssl and with it OpenSSL: ~4 MiB of
+      RSS and ~9 ms of start-up that serve never uses (plain gRPC on unix sockets, plain
+      HTTP for the probes; gRPC's own TLS is inside its C core). ``ssl`` is hidden only
+      while grpc loads (asyncio takes a missing ssl as "no TLS"), so a later
+      ``import ssl`` still works.
     - glibc gives each thread that mallocs its own arena (up to 8 per CPU), and the gRPC
       worker threads keep freed memory in many half-empty arenas. Two arenas are plenty
       for threads that mostly wait on the GIL.
-    - logging looks up the caller's file and line for every record (about half the
-      cost of the ``allocate`` line on each Allocate); no formatter of ours prints them.
-      This is the switch the logging HOWTO's "Optimization" section documents.
+    - logging looks up the caller's file and line for every record; no formatter of ours
+      prints them. This is the switch the logging HOWTO's "Optimization" section documents.
     """
     if {"ssl", "asyncio", "grpc"} & sys.modules.keys():
         return
@@ -54,9 +53,6 @@ def _lean_process(metrics: bool) -> None:
     sys.modules["ssl"] = None  # type: ignore[assignment]  # makes `import ssl` fail
     try:
         import grpc  # noqa: F401
-
-        if metrics:
-            import http.server  # noqa: F401
     except ImportError:  # a version that needs ssl after all: imported normally later
         pass
     finally:
@@ -70,7 +66,7 @@ def _lean_process(metrics: bool) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    _lean_process(metrics=bool(args.metrics_port))
+    _lean_process()
     from fuse_plugin import plugin
     from fuse_plugin.signals import stop_on_signals
 

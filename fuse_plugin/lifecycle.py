@@ -33,7 +33,7 @@ from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.config import API_VERSION, Settings
 from fuse_plugin.devices import DeviceState
-from fuse_plugin.servicer import WORKERS, FusePlugin
+from fuse_plugin.servicer import WORKERS, FusePlugin, add_to_server
 from fuse_plugin.stats import Stats
 
 # How often the safety net re-checks sockets, the directory and the device.
@@ -331,7 +331,7 @@ class Lifecycle:
                 self._serve_failed(f"cannot remove stale {path}: {err.strerror}")
                 return
         server = grpc.server(self._executor, options=[("grpc.so_reuseport", 0)])
-        api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
+        add_to_server(self.servicer, server)
         try:
             server.add_insecure_port(f"unix://{path}")
         except RuntimeError:

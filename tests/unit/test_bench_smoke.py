@@ -21,14 +21,18 @@ COMPLETED = (0, 3)
 FIGURES = (
     "reregister", "reregister_received", "reregister_listed", "start",
     "health_unhealthy", "health_healthy", "allocate_sequential", "allocate_concurrent",
-    "throughput_sequential", "throughput_concurrent", "allocate_cpu",
+    "throughput_sequential", "throughput_concurrent", "allocate_cpu", "allocate_concurrent_cpu",
     "scale_10_list", "scale_10_allocate", "scale_1000_list", "scale_1000_allocate",
     "scale_10000_list", "scale_10000_allocate",
-    "rss_start", "rss_allocates_done", "rss_restarts_done", "rss_growth", "rss_after_stress",
+    "rss_start", "rss_deployed", "rss_allocates_done", "rss_restarts_done", "rss_growth",
+    "rss_after_stress", "idle_cpu", "idle_cpu_beyond_floor",
 )
 FLOORED = ("reregister", "start", "health_unhealthy", "health_healthy",
-           "allocate_sequential", "allocate_concurrent", "scale_10000_list",
-           "scale_10000_allocate", "rss_start", "rss_after_stress")
+           "allocate_sequential", "allocate_concurrent", "allocate_cpu", "throughput_concurrent",
+           "scale_10000_list", "scale_10000_allocate", "rss_start", "rss_after_stress",
+           "idle_cpu")
+# Compared with the floor round by round: the ratio is reported with its quartiles.
+RATIOS = ("allocate_sequential", "allocate_cpu", "throughput_concurrent")
 
 
 @pytest.mark.timeout(300)
@@ -53,3 +57,9 @@ def test_quick_benchmark_reports_every_figure(tmp_path: Path) -> None:
     assert len(targets) == result["passed"] + len(result["failed"])
     for key in ("median", "p99"):
         assert isinstance(figures["allocate_sequential"][key], float)
+    for key in RATIOS:
+        ratio = figures[key]["vs_floor"]
+        assert ratio["q1"] <= ratio["median"] <= ratio["q3"], key
+    # The plugin ran as the DaemonSet runs it (its metrics port moved to a free one).
+    assert result["serve_flags"] == ["--metrics-port=9402"]
+    assert figures["rss_deployed"]["figure"].endswith("scrapes")
