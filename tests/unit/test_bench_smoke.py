@@ -25,12 +25,12 @@ FIGURES = (
     "scale_10_list", "scale_10_allocate", "scale_1000_list", "scale_1000_allocate",
     "scale_10000_list", "scale_10000_allocate",
     "rss_start", "rss_deployed", "rss_allocates_done", "rss_restarts_done", "rss_growth",
-    "rss_after_stress", "idle_cpu", "idle_cpu_beyond_floor",
+    "rss_after_stress", "idle_cpu", "idle_python_cpu", "idle_cpu_beyond_floor",
 )
 FLOORED = ("reregister", "start", "health_unhealthy", "health_healthy",
            "allocate_sequential", "allocate_concurrent", "allocate_cpu", "throughput_concurrent",
            "scale_10000_list", "scale_10000_allocate", "rss_start", "rss_after_stress",
-           "idle_cpu")
+           "idle_cpu", "idle_python_cpu")
 # Compared with the floor round by round: the ratio is reported with its quartiles.
 RATIOS = ("allocate_sequential", "allocate_cpu", "throughput_concurrent")
 
