@@ -167,9 +167,11 @@ def test_plugin_has_requests_limits_probes_priority_and_tolerations() -> None:
     (container,) = spec["containers"]
     resources = container["resources"]
     assert set(resources["requests"]) == {"cpu", "memory"}
-    # The Go plugins' users are OOM-killed at 15-20 MiB; ours idles at ~42 MiB.
-    assert _mebibytes(resources["limits"]["memory"]) >= 2 * _mebibytes(
-        resources["requests"]["memory"]) >= 96
+    # The Go plugins' users are OOM-killed at 15-20 MiB; ours measures 37-39 MiB as
+    # deployed (python -m bench), 117 MiB at 100,000 slots: room above both.
+    request = _mebibytes(resources["requests"]["memory"])
+    assert request >= 40
+    assert _mebibytes(resources["limits"]["memory"]) >= 3 * request
     port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
