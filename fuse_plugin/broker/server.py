@@ -114,7 +114,12 @@ class Broker:
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
         self._inode = 0
+        # Wakes the loop: signals (set_wakeup_fd, armed in start) and stop().
         self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._signals_wake = False
         self._stopping = False
         self._connections: dict[int, _Connection] = {}
 
@@ -147,10 +152,8 @@ class Broker:
         except OSError as err:
             raise Failure(f"cannot serve in {settings.directory}: {err.strerror or err}") \
                 from None
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
         signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._signals_wake = True
         logs.event(self.log, "broker.serving", socket=str(self.socket_path),
                    shim=str(shim), fusermount=str(settings.fusermount),
                    max_mounts=settings.max_mounts)
@@ -176,8 +179,13 @@ class Broker:
         self._selector.register(listener, selectors.EVENT_READ, "listen")
 
     def stop(self) -> None:
-        """Safe from a signal handler: the loop notices on its next wake-up."""
+        """Stop the loop from any thread (SIGTERM's handler calls this from a thread of
+        its own). Setting the flag is not enough: the loop may have gone back to waiting
+        after the signal's own wake-up and before the flag was set, and would then sleep
+        up to a minute; so it is woken as well."""
         self._stopping = True
+        with contextlib.suppress(OSError):  # full: a wake-up is pending anyway
+            self._wake_w.send(b"\0")
 
     def _close(self) -> None:
         for conn in list(self._connections.values()):
@@ -188,7 +196,8 @@ class Broker:
                 st = os.lstat(self.socket_path)
                 if stat.S_ISSOCK(st.st_mode) and st.st_ino == self._inode:
                     self.socket_path.unlink()
-        signal.set_wakeup_fd(-1)
+        if self._signals_wake:
+            signal.set_wakeup_fd(-1)
         self._selector.close()
         logs.event(self.log, "stopped")
 

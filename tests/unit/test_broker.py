@@ -4,6 +4,7 @@ stop and restart, and the plugin's broker-mode Allocate answer over its real soc
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -11,12 +12,14 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from fuse_plugin.broker import policy, protocol
 from fuse_plugin.broker.policy import MountEntry, Refused
+from fuse_plugin.broker.server import Broker, BrokerSettings
 from fuse_plugin.sim.kubelet import KubeletStandIn
 from tests.conftest import RESOURCE, StartPlugin
 from tests.containers import broker as broker_rig
@@ -373,3 +376,28 @@ def test_a_helper_past_its_deadline_is_killed_and_reaped_later(tmp_path: Path) -
     with pytest.raises(MountFailed, match=r"^the step said no$"):
         mounter._run(["sh", "-c", "echo noise >&2; echo 'the step said no' >&2; exit 3"],
                      "step", (), {"PATH": "/usr/bin:/bin"})
+
+
+# epoll_wait and epoll_pwait on x86-64 and arm64 (asm-generic has only epoll_pwait).
+EPOLL_WAITS = {"232", "281", "22"}
+
+
+def test_stop_from_another_thread_wakes_a_waiting_loop(tmp_path: Path) -> None:
+    """SIGTERM's handler stops the broker from a thread of its own, which can come after
+    the loop went back to waiting: the loop must wake, not sleep out its minute (CI once
+    caught a broker that had not exited 10 s after SIGTERM)."""
+    broker = Broker(BrokerSettings(directory=tmp_path, staging=tmp_path / "staging"),
+                    logging.getLogger("test"))
+    loop = threading.Thread(target=broker.run, name="broker")
+    loop.start()
+    waiting = threading.Event()
+    for _ in range(1000):  # until the loop sits in epoll, a few ms; bounded
+        syscall = Path(f"/proc/self/task/{loop.native_id}/syscall").read_text().split()
+        if syscall and syscall[0] in EPOLL_WAITS:
+            waiting.set()
+            break
+        threading.Event().wait(0.005)
+    assert waiting.is_set(), "the broker's loop never waited in epoll"
+    broker.stop()
+    loop.join(10)
+    assert not loop.is_alive()
