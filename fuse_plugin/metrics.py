@@ -34,6 +34,7 @@ from fuse_plugin.stats import Stats
 
 PREFIX = "fuse_device_plugin"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TEXT = "text/plain; charset=utf-8"
 MAX_CONNECTIONS = 16
 # Probes and scrapes send their request at once; nothing legitimate idles this long.
 CONNECTION_TIMEOUT = 5.0
@@ -167,18 +168,17 @@ class MetricsServer:
 
 def _handler(lifecycle: Lifecycle, stats: Stats) -> type[socketserver.StreamRequestHandler]:
     def answer(path: str) -> tuple[HTTPStatus, bytes, str]:
-        text = "text/plain; charset=utf-8"
         if path == "/metrics":
             return HTTPStatus.OK, exposition(lifecycle, stats), CONTENT_TYPE
         if path == "/healthz":
             if lifecycle.alive():
-                return HTTPStatus.OK, b"ok\n", text
-            return HTTPStatus.SERVICE_UNAVAILABLE, b"loop stopped or stuck\n", text
+                return HTTPStatus.OK, b"ok\n", TEXT
+            return HTTPStatus.SERVICE_UNAVAILABLE, b"loop stopped or stuck\n", TEXT
         if path == "/readyz":
             ready, reason = _readiness(lifecycle)
             code = HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE
-            return code, f"{reason}\n".encode(), text
-        return HTTPStatus.NOT_FOUND, b"try /metrics, /healthz or /readyz\n", text
+            return code, f"{reason}\n".encode(), TEXT
+        return HTTPStatus.NOT_FOUND, b"try /metrics, /healthz or /readyz\n", TEXT
 
     class Handler(socketserver.StreamRequestHandler):
         timeout = CONNECTION_TIMEOUT
@@ -193,9 +193,9 @@ def _handler(lifecycle: Lifecycle, stats: Stats) -> type[socketserver.StreamRequ
                     break
             parts = line.split()
             if len(parts) != 3 or not parts[2].startswith(b"HTTP/") or len(line) > MAX_LINE:
-                self._send(HTTPStatus.BAD_REQUEST, b"bad request\n", "text/plain")
+                self._send(HTTPStatus.BAD_REQUEST, b"bad request\n", TEXT)
             elif parts[0] != b"GET":
-                self._send(HTTPStatus.METHOD_NOT_ALLOWED, b"GET only\n", "text/plain")
+                self._send(HTTPStatus.METHOD_NOT_ALLOWED, b"GET only\n", TEXT)
             else:
                 path = parts[1].split(b"?", 1)[0].decode("latin-1")
                 self._send(*answer(path))

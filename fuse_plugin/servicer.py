@@ -24,7 +24,7 @@ from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.devices import DeviceState, Health
 from fuse_plugin.stats import Stats
 
-SERVICE = "v1beta1.DevicePlugin"
+SERVICE = api.DESCRIPTOR.services_by_name["DevicePlugin"].full_name  # v1beta1.DevicePlugin
 CONTAINER_DEVICE = "/dev/fuse"
 # The kubelet opens one ListAndWatch stream per registration. The sync gRPC server gives
 # each stream a worker thread, so streams are capped below the pool size: unary calls
