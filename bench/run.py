@@ -137,9 +137,6 @@ class Proc:
     def pid(self) -> int:
         return self.popen.pid
 
-    def rss_mib(self) -> float:
-        return _status_kib(self.pid, "VmRSS") / 1024
-
     def status(self) -> dict[str, int]:
         keys = ("VmRSS", "RssAnon", "RssFile", "Threads")
         return {k: _status_kib(self.pid, k) for k in keys}
