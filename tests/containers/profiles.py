@@ -3,9 +3,10 @@ the profile a node gets (``fuse-device-plugin profile seccomp --preset P``, the 
 as ``fuse_plugin.profiles.render_seccomp``), and each preset's capabilities and extra
 system calls (``fuse_plugin.profiles.presets``).
 
-``runtime_default()`` is the control: the generator's allow-list without any preset's
-additions, i.e. what a pod gets from the runtime default (built from the ``generic``
-profile, whose only additions are ``mount`` and ``umount2``, by removing them).
+``runtime_default()`` is what a tenant's pod runs under when it asks for nothing: the
+real runtime-default rules (Debian containers-common's seccomp.json, converted for this
+machine and the pod's capabilities by tests/containers/runtime_default.py), not a list
+of our own.
 """
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterable
 from functools import cache
 
 from fuse_plugin.profiles import presets
+from fuse_plugin.sim import oci
+from tests.containers import runtime_default as converter
 
 PRESETS = tuple(presets.PRESETS)
+# containerd's default bounding set, the one a pod without capability additions gets.
+DEFAULT_CAPS = oci.DEFAULT_CAPABILITIES
 
 
 def capabilities(preset: str) -> tuple[str, ...]:
@@ -41,13 +47,26 @@ def seccomp(preset: str) -> str:
     return result.stdout
 
 
-def runtime_default() -> str:
-    """The generated allow-list minus every preset's additions (mount, umount2, unshare,
-    setns, pivot_root, chroot): the runtime-default control."""
-    profile = json.loads(seccomp("generic"))
-    extras = {name for preset in PRESETS for name in extra_syscalls(preset)}
+def without_additions(preset: str) -> str:
+    """The preset's generated profile minus what any preset adds to the runtime's
+    allow-list (mount, umount2, unshare, setns, pivot_root, chroot): the control that
+    shows those additions are what let a FUSE mount through our profile."""
+    profile = json.loads(seccomp(preset))
+    extras = {name for other in PRESETS for name in extra_syscalls(other)}
     for rule in profile["syscalls"]:
         if rule.get("action") == "SCMP_ACT_ALLOW":
             rule["names"] = [n for n in rule["names"] if n not in extras]
     profile["syscalls"] = [r for r in profile["syscalls"] if r["names"]]
     return json.dumps(profile)
+
+
+def runtime_default(capabilities: Iterable[str] = DEFAULT_CAPS) -> str:
+    """The runtime-default profile as OCI JSON text, for a container whose bounding set is
+    ``capabilities`` (containerd's default set unless given): hostile tests attack with
+    exactly what a tenant has. Fails when containers-common's file is missing."""
+    return _runtime_default(frozenset(capabilities))
+
+
+@cache
+def _runtime_default(capabilities: frozenset[str]) -> str:
+    return json.dumps(converter.runtime_default(capabilities))

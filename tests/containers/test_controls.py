@@ -55,7 +55,7 @@ def pod_without(part: str, work: Workload, allocation: api.ContainerAllocateResp
     if part == "device":
         allocation = api.ContainerAllocateResponse()  # what a pod without the resource gets
     if part == "seccomp additions":
-        overrides["seccomp"] = profiles.runtime_default()
+        overrides["seccomp"] = profiles.without_additions(work.preset)
     if part == "CAP_SYS_ADMIN":
         overrides["add_capabilities"] = [c for c in profiles.capabilities(work.preset)
                                          if c != "CAP_SYS_ADMIN"]
