@@ -1,11 +1,12 @@
-# fuse-device-plugin: one image for both DaemonSets in manifests/ - the plugin
-# (`serve`, the default) and the profile installer (`install-profiles`).
+# fuse-device-plugin: one image for every DaemonSet in manifests/ - the plugin (`serve`,
+# the default), the profile installer (`install-profiles`) and broker mode's mount broker
+# (`broker`).
 #
 #   docker build -t fuse-device-plugin:0.1.0 .
 #
 # Stage 1 builds the wheel and broker mode's two static programs (musl); stage 2 is a slim
 # Python with only that wheel, its runtime dependencies (all binary wheels: no compiler),
-# those two programs, apparmor_parser and fuse3. No build tools, pip cache or apt lists
+# those two programs and apparmor_parser. No build tools, pip cache or apt lists
 # are left in the final image.
 
 ARG PYTHON_IMAGE=python:3.11-slim
@@ -16,7 +17,7 @@ COPY pyproject.toml README.md ./
 COPY fuse_plugin ./fuse_plugin
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 # Broker mode's fusermount3 shim (runs inside arbitrary workload images) and
-# fuse-broker-enter: static, no loader, no NSS.
+# fuse-broker-helper (the broker's hands in a caller's namespaces): static, no loader.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc musl-tools \
     && rm -rf /var/lib/apt/lists/*
@@ -34,13 +35,11 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 # apparmor_parser: `install-profiles` loads the AppArmor profiles with it. The plugin
 # never runs it (and has no capability that would let it load anything).
-# fuse3: the real fusermount3 that `broker` runs. Its pod's own allocation binds the shim
-# over /usr/bin/fusermount3, so the broker runs a copy kept beside the shim.
+# The broker builds FUSE mounts with the kernel's mount API (its helper below), so no
+# fusermount3 is installed.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends apparmor fuse3 \
-    && rm -rf /var/lib/apt/lists/* \
-    && install -D -m 0755 /usr/bin/fusermount3 \
-        /usr/local/libexec/fuse-device-plugin/real/fusermount3
+    && apt-get install -y --no-install-recommends apparmor \
+    && rm -rf /var/lib/apt/lists/*
 COPY --from=builder /native/ /usr/local/libexec/fuse-device-plugin/
 COPY --from=builder /wheels/fuse_device_plugin-0.1.0-py3-none-any.whl /tmp/
 RUN pip install --no-cache-dir /tmp/fuse_device_plugin-0.1.0-py3-none-any.whl \

@@ -32,6 +32,9 @@ class Probe:
     reason: str
 
 
+Prober = Callable[[Path], "Probe"]
+
+
 def probe(path: Path) -> Probe:
     """Check that ``path`` is the FUSE character device (10:229)."""
     try:
@@ -49,13 +52,31 @@ def probe(path: Path) -> Probe:
     return Probe(Health.HEALTHY, f"{path} is char {FUSE_MAJOR}:{FUSE_MINOR}")
 
 
+def with_shim(prober: Prober, shim: Path) -> Prober:
+    """Broker mode: Allocate binds ``shim`` into every container, and a bind whose source
+    is missing makes the runtime create a directory there, which fails that container
+    and every later one on the node. So the slots are healthy only while the device is
+    and the broker has installed its shim as a regular file."""
+
+    def probe_both(path: Path) -> Probe:
+        device = prober(path)
+        if device.health is Health.UNHEALTHY:
+            return device
+        try:
+            mode = os.stat(shim).st_mode
+        except OSError as err:
+            return Probe(Health.UNHEALTHY, f"broker mode: {shim}: {err.strerror} (the "
+                                           "broker has not installed its shim on this node)")
+        if not stat.S_ISREG(mode):
+            return Probe(Health.UNHEALTHY, f"broker mode: {shim} is not a regular file")
+        return Probe(Health.HEALTHY, f"{device.reason}; the broker's shim is installed")
+
+    return probe_both
+
 
 def slot_ids(count: int) -> tuple[str, ...]:
     """Short, stable IDs: the kubelet checkpoints them, so a restart must yield the same."""
     return tuple(f"fuse-{index}" for index in range(count))
-
-
-Prober = Callable[[Path], Probe]
 
 
 class DeviceState:

@@ -98,7 +98,9 @@ class _Events(FileSystemEventHandler):
         settings = self._plugin.settings
         dest = getattr(event, "dest_path", "") or ""
         paths = {os.fsdecode(event.src_path), os.fsdecode(dest)}
-        if str(settings.fuse_device) in paths:
+        if str(settings.fuse_device) in paths or (
+                settings.broker_dir is not None and str(settings.broker_dir) in
+                {os.path.dirname(p) for p in paths}):
             self._plugin.mark("device")
         if str(settings.kubelet_socket) in paths:
             self._plugin.mark("kubelet")
@@ -175,7 +177,7 @@ class Lifecycle:
         self._rewatch()
         logs.event(self._log, "start", socket=str(self.settings.socket_path),
                    device=str(self.state.device), health=self.state.health.value,
-                   slots=len(self.state.ids))
+                   slots=len(self.state.ids), reason=self.state.reason)
         next_safety = time.monotonic() + SAFETY_INTERVAL
         self._running = True
         try:
@@ -264,9 +266,9 @@ class Lifecycle:
 
     def _watch_targets(self) -> list[Path]:
         targets = [self.settings.device_plugin_dir, self.settings.device_plugin_dir.parent]
-        device_dir = self.settings.fuse_device.parent
-        if device_dir not in targets:
-            targets.append(device_dir)
+        for extra in (self.settings.fuse_device.parent, self.settings.broker_dir):
+            if extra is not None and extra not in targets:
+                targets.append(extra)
         return targets
 
     def _rewatch(self) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from fuse_plugin import logs
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.config import Settings
-from fuse_plugin.devices import DeviceState, Prober, probe
+from fuse_plugin.devices import DeviceState, Prober, probe, with_shim
 from fuse_plugin.errors import EXIT_USAGE, Failure
 from fuse_plugin.lifecycle import Lifecycle
 from fuse_plugin.servicer import FusePlugin
@@ -40,6 +40,10 @@ def assembled(settings: Settings, log: logging.Logger, prober: Prober = probe
     """Build the plugin; raise ``Failure`` (one line) when a part cannot start."""
     with ExitStack() as stack:
         stats = Stats()
+        if settings.broker_dir is not None:
+            from fuse_plugin.broker import protocol
+
+            prober = with_shim(prober, settings.broker_dir / protocol.SHIM_NAME)
         state = DeviceState(settings.fuse_device, settings.slots, prober)
         cdi_device = None
         if settings.cdi:

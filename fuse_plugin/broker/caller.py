@@ -1,11 +1,11 @@
 """Who is asking: the process at the other end of a broker connection, named by the kernel.
 
-Nothing the client sends names a process. ``SO_PEERCRED`` gives the uid and pid that
-connected. ``SO_PEERPIDFD`` (Linux 6.5+) gives a pidfd for exactly that process, and on
-older kernels ``pidfd_open(pid)`` is taken at accept time. The broker then opens
-``/proc/PID/ns/mnt`` and ``/proc/PID/root`` and checks afterwards that the pidfd's process
-is still alive. A live pidfd means that the pid was not reused in between, so both fds
-belong to the caller. A caller that has exited is refused.
+Nothing the client sends names a process. ``SO_PEERCRED`` gives the uid, gid and pid that
+connected; ``SO_PEERPIDFD`` (Linux 6.5+) a pidfd for exactly that process (older kernels:
+``pidfd_open(pid)`` at accept). Everything else is read from ``/proc/PID`` and then the
+pidfd is checked to be alive: a live pidfd means the pid was not reused in between, so
+what was read belongs to the caller. Only the kernel's own tables are read here (procfs,
+nsfs): nothing a tenant's filesystem could answer or stall.
 """
 
 from __future__ import annotations
@@ -18,38 +18,55 @@ import socket
 import struct
 from dataclasses import dataclass, field
 
-from fuse_plugin.broker import kernel, policy
+from fuse_plugin.broker import policy
+
+SO_PEERPIDFD = 77  # asm-generic value (x86, arm); Linux 6.5+
+_OWN_USERNS = os.stat("/proc/self/ns/user").st_ino
 
 
 @dataclass
 class Caller:
     pid: int
-    uid: int
+    uid: int  # as the node sees them
     gid: int
     pidfd: int
-    ns_fd: int = -1
-    root_fd: int = -1
-    namespace: int = 0  # the mount namespace's inode: one per container
-    cgroup: str = ""
+    container: str  # the caller's cgroup: one per container, and no tenant can leave it
+    groups: tuple[int, ...] = ()
+    mnt_ns: int = -1  # fds for the helper
+    user_ns: int = -1  # -1: the node's own user namespace
+    namespace: int = 0  # the mount namespace's inode, for the log
     _fds: list[int] = field(default_factory=list)
 
+    @property
+    def node_root(self) -> bool:
+        """Root on the node, outside any user namespace: fusermount3's root."""
+        return self.uid == 0 and self.user_ns == -1
+
     def open(self) -> None:
-        """Open the caller's mount namespace and root, then prove it is still the same
-        process; ``Refused`` if it has gone."""
+        """Read what the request needs from /proc/PID and open the caller's namespaces,
+        then prove it is still the same process; ``Refused`` if it has gone or if it is
+        not a caller the broker serves."""
         try:
-            self.ns_fd = self._keep(os.open(f"/proc/{self.pid}/ns/mnt",
-                                            os.O_RDONLY | os.O_CLOEXEC))
-            self.root_fd = self._keep(os.open(f"/proc/{self.pid}/root",
-                                              os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
-            self.namespace = os.fstat(self.ns_fd).st_ino
-            self.cgroup = _cgroup(self.pid)
-        except FileNotFoundError:
-            raise policy.Refused(f"the calling process {self.pid} has exited") from None
+            root = os.readlink(f"/proc/{self.pid}/root")
+            user_ino = os.stat(f"/proc/{self.pid}/ns/user").st_ino
+            maps_node_root = user_ino != _OWN_USERNS and _maps_zero(self.pid)
+            self.groups = _groups(self.pid)
+            self.mnt_ns = self._keep(os.open(f"/proc/{self.pid}/ns/mnt",
+                                             os.O_RDONLY | os.O_CLOEXEC))
+            self.namespace = os.fstat(self.mnt_ns).st_ino
+            if user_ino != _OWN_USERNS:
+                self.user_ns = self._keep(os.open(f"/proc/{self.pid}/ns/user",
+                                                  os.O_RDONLY | os.O_CLOEXEC))
+        except (FileNotFoundError, ProcessLookupError):
+            raise policy.Refused(f"the calling process {self.pid} has exited",
+                                 "caller") from None
         except PermissionError as err:
-            raise policy.Refused(f"cannot enter the caller's namespace: {err.strerror} "
-                                 "(the broker needs CAP_SYS_PTRACE and host PID)") from None
+            raise policy.Refused(f"cannot read the caller's namespaces: {err.strerror} "
+                                 "(the broker needs CAP_SYS_PTRACE and host PID)",
+                                 "caller") from None
         if not self.alive():
-            raise policy.Refused(f"the calling process {self.pid} has exited")
+            raise policy.Refused(f"the calling process {self.pid} has exited", "caller")
+        policy.caller(root, maps_node_root)
 
     def alive(self) -> bool:
         try:
@@ -58,40 +75,12 @@ class Caller:
             return False
         return True
 
-    def mounts(self) -> list[policy.MountEntry]:
-        """The caller's mount table (read from the kernel; never calls a FUSE daemon)."""
-        try:
-            with open(f"/proc/{self.pid}/mountinfo") as info:
-                text = info.read()
-        except FileNotFoundError:
-            raise policy.Refused(f"the calling process {self.pid} has exited") from None
-        if not self.alive():
-            raise policy.Refused(f"the calling process {self.pid} has exited")
-        return policy.mountinfo(text)
-
-    def resolve(self, path: str) -> int:
-        """An O_PATH fd of directory ``path`` in the caller's root: ``..`` cannot leave
-        it, and any symlink on the way is refused."""
-        try:
-            return self._keep(kernel.openat2(
-                self.root_fd, path.lstrip("/") or ".",
-                os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC,
-                kernel.RESOLVE_IN_ROOT | kernel.RESOLVE_NO_SYMLINKS
-                | kernel.RESOLVE_NO_MAGICLINKS))
-        except OSError as err:
-            reason = {errno.ELOOP: "a symlink is on the way (the shim resolves links; a link here "
-                          "means it changed or the client is not the shim)",
-                      errno.ENOTDIR: "it is not a directory",
-                      errno.ENOENT: "it does not exist",
-                      errno.EXDEV: "it leaves the caller's root"}.get(err.errno or 0, err.strerror)
-            raise policy.Refused(f"mountpoint {path!r} refused: {reason}") from None
-
     def close(self) -> None:
         for fd in (self.pidfd, *self._fds):
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._fds.clear()
-        self.pidfd = -1
+        self.pidfd = self.mnt_ns = self.user_ns = -1
 
     def _keep(self, fd: int) -> int:
         self._fds.append(fd)
@@ -103,26 +92,57 @@ def identify(conn: socket.socket) -> Caller:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", creds)
     if pid <= 0:
-        raise policy.Refused("the caller's pid is not visible (the broker needs host PID)")
+        raise policy.Refused("the caller's pid is not visible (the broker needs host PID)",
+                             "caller")
     try:
-        pidfd = conn.getsockopt(socket.SOL_SOCKET, kernel.SO_PEERPIDFD)
+        pidfd = conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
     except OSError as err:
         if err.errno != errno.ENOPROTOOPT:  # ESRCH: the peer has exited
-            raise policy.Refused(f"the calling process {pid} has exited") from None
+            raise policy.Refused(f"the calling process {pid} has exited", "caller") from None
         try:  # before Linux 6.5: the pid, taken as early as possible
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
-            raise policy.Refused(f"the calling process {pid} has exited") from None
+            raise policy.Refused(f"the calling process {pid} has exited",
+                                 "caller") from None
     os.set_inheritable(pidfd, False)
-    return Caller(pid=pid, uid=uid, gid=gid, pidfd=pidfd)
+    caller = Caller(pid=pid, uid=uid, gid=gid, pidfd=pidfd, container="")
+    try:
+        caller.container = _cgroup(pid)
+    except OSError:
+        caller.close()
+        raise policy.Refused(f"the calling process {pid} has exited", "caller") from None
+    if not caller.alive():
+        caller.close()
+        raise policy.Refused(f"the calling process {pid} has exited", "caller")
+    return caller
 
 
 def _cgroup(pid: int) -> str:
-    """The caller's cgroup (names the pod and container on a node), for the log line."""
-    try:
-        with open(f"/proc/{pid}/cgroup") as text:
-            lines = text.read().split()
-    except OSError:
-        return ""
-    return next((line.split(":", 2)[2] for line in lines if line.startswith("0::")),
-                lines[0] if lines else "")
+    """The caller's cgroup: the unified one, else the devices controller's (the one
+    Allocate's rule is written in), else the first listed."""
+    with open(f"/proc/{pid}/cgroup") as text:
+        lines = [line.split(":", 2) for line in text.read().splitlines() if line.count(":") >= 2]
+    for _, controllers, path in lines:
+        if controllers == "" or "devices" in controllers.split(","):
+            return path
+    return lines[0][2] if lines else "/"
+
+
+def _groups(pid: int) -> tuple[int, ...]:
+    """Supplementary groups, as the node names them (procfs translates for its reader)."""
+    with open(f"/proc/{pid}/status") as text:
+        for line in text:
+            if line.startswith("Groups:"):
+                return tuple(int(g) for g in line.split()[1:])
+    return ()
+
+
+def _maps_zero(pid: int) -> bool:
+    """Whether the caller's user namespace maps the node's uid 0 (uid_map's outside
+    column, as read from the node's namespace)."""
+    with open(f"/proc/{pid}/uid_map") as text:
+        for line in text:
+            _, outside, count = (int(n) for n in line.split())
+            if outside <= 0 < outside + count:
+                return True
+    return False

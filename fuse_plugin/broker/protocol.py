@@ -2,17 +2,21 @@
 
 One ``SOCK_SEQPACKET`` message per request and per reply. Each message is a run of
 NUL-terminated ``key=value`` fields, which is trivial to write and read in C and cannot be
-ambiguous: paths and options never contain NUL. A mount reply carries the FUSE fd in
-``SCM_RIGHTS``. The C side is ``shim/fusermount3.c``; a unit test keeps its constants equal
-to these.
+ambiguous: paths and options never contain NUL. Nothing but text crosses the socket: a
+mount request names the number of the /dev/fuse fd the shim opened (``fuse_fd``), and
+the broker's helper takes that fd from the caller with ``pidfd_getfd``; the socket
+refuses descriptors (``SO_PASSRIGHTS``). The same codec carries the broker's conversation
+with its helper (``native/helper.c``). The C side of the wire is ``native/fusermount3.c``;
+a unit test keeps its constants equal to these.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-VERSION = "1"
+VERSION = "2"
 MAX_MESSAGE = 16384
 SOCKET_NAME = "broker.sock"
 SHIM_NAME = "fusermount3"
@@ -20,13 +24,17 @@ SHIM_NAME = "fusermount3"
 CONTAINER_DIR = "/run/fuse-broker"
 CONTAINER_SOCKET = f"{CONTAINER_DIR}/{SOCKET_NAME}"
 SOCKET_ENV = "FUSE_BROKER_SOCKET"
-# Where libfuse 3, libfuse 2 and the Go FUSE libraries exec the helper (docs/broker.md).
+# Where FUSE programs exec their helper (docs/broker.md has the survey): libfuse 3 and 2
+# and the Go FUSE libraries; and mergerfs, whose bundled libfuse looks for a helper of
+# its own name first (its package ships a real, unprivileged one in /usr/bin, which
+# PATH finds before any fusermount). A missing target is created by the runtime.
 SHIM_TARGETS = ("/usr/bin/fusermount3", "/usr/bin/fusermount",
-                "/bin/fusermount3", "/bin/fusermount")
+                "/bin/fusermount3", "/bin/fusermount", "/usr/bin/mergerfs-fusermount")
 
+DIGITS = re.compile(r"[0-9]+")
 OPS = ("mount", "unmount")
 FLAGS = ("lazy", "auto")
-_FIELDS = ("v", "op", "path", "options", "flags", "mount_id")
+_FIELDS = ("v", "op", "path", "options", "fuse_fd", "flags", "mount_id")
 
 
 class BadRequest(ValueError):
@@ -40,6 +48,7 @@ class Request:
     options: str = ""
     flags: frozenset[str] = frozenset()
     mount_id: int | None = None
+    fuse_fd: int = -1
 
 
 def container_mounts(broker_dir: Path) -> list[tuple[str, str]]:
@@ -50,7 +59,7 @@ def container_mounts(broker_dir: Path) -> list[tuple[str, str]]:
     return [(CONTAINER_DIR, str(broker_dir)), *((target, shim) for target in SHIM_TARGETS)]
 
 
-def encode(**fields: str) -> bytes:
+def encode(**fields: object) -> bytes:
     return b"".join(f"{key}={value}".encode() + b"\0" for key, value in fields.items())
 
 
@@ -90,8 +99,22 @@ def parse_request(data: bytes) -> Request:
         raise BadRequest(f"unknown flag(s): {', '.join(sorted(flags - set(FLAGS)))}")
     if op == "mount" and flags:
         raise BadRequest("flags apply to unmount only")
-    mount_id = fields.get("mount_id")
-    if mount_id is not None and not mount_id.isdigit():
-        raise BadRequest(f"mount_id must be a number, got {mount_id!r}")
+    mount_id = _number(fields, "mount_id")
+    fuse_fd = _number(fields, "fuse_fd")
+    if op == "mount" and fuse_fd is None:
+        raise BadRequest("a mount request must name the caller's /dev/fuse fd (fuse_fd=)")
+    if op == "unmount" and fuse_fd is not None:
+        raise BadRequest("fuse_fd applies to mount only")
     return Request(op=op, path=fields["path"], options=fields.get("options", ""),
-                   flags=flags, mount_id=int(mount_id) if mount_id is not None else None)
+                   flags=flags, mount_id=mount_id,
+                   fuse_fd=fuse_fd if fuse_fd is not None else -1)
+
+
+def _number(fields: dict[str, str], name: str) -> int | None:
+    """A field that must be a whole number in ASCII digits (not ' 5', '+5' or '١٢')."""
+    text = fields.get(name)
+    if text is None:
+        return None
+    if not DIGITS.fullmatch(text) or len(text) > 10:
+        raise BadRequest(f"{name} must be a number, got {text[:20]!r}")
+    return int(text)

@@ -1,82 +1,120 @@
 """``fuse-device-plugin broker``: the node's FUSE mount broker.
 
-One single-threaded loop (``selectors``) serves a ``SOCK_SEQPACKET`` socket in the broker
-directory, which Allocate binds into containers. Each connection carries one request and
-gets one reply. A connection is identified when it is accepted, and its request is
-handled once it has arrived in full, so a client that connects and stays silent holds
-nothing but its own slot until the deadline. Each request is short: one fusermount3 run and
-one fuse-broker-enter run, each with a deadline.
+Follow a request from the socket to the mount here. One loop (``selectors``) serves a
+``SOCK_SEQPACKET`` socket in the broker directory, which Allocate binds into containers:
 
+1. accept: the kernel names the caller (``caller.identify``); per-container and
+   node-wide limits on open connections; a connection that sent nothing is dropped at
+   its deadline. The socket refuses descriptors (``SO_PASSRIGHTS``), so a tenant cannot
+   make the loop own the last reference of a file whose close blocks.
+2. the request arrives: ``protocol.parse_request``, the path and option rules
+   (``policy``), the caller's namespaces (``Caller.open``), the quota (``records``).
+3. the helper (``helper.Job``, ``native/helper.c``) takes the caller's /dev/fuse fd,
+   enters its namespaces, resolves the path from the namespace's root and reports what it
+   reached; the loop judges (``policy.may_mount`` / ``may_unmount``) and answers go or no;
+   the helper mounts or unmounts and reports the result; the loop records the mount
+   (``records``) and replies.
+
+The loop does no path walk, no close of a tenant's file and no call that a tenant's
+FUSE daemon could stall: the helper does, with a deadline, one per container at a time.
 Every request is logged in one line: ``broker.mount``, ``broker.unmount``,
-``broker.refused`` (policy) or ``broker.failed`` (fusermount3 or the kernel said no).
+``broker.refused`` (a rule) or ``broker.failed`` (the kernel or a deadline said no).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import errno
 import logging
 import os
 import selectors
 import signal
 import socket
 import stat
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fuse_plugin import config, files, logs
 from fuse_plugin.broker import caller as callers
-from fuse_plugin.broker import kernel, policy, protocol
-from fuse_plugin.broker.mounts import Mounter, MountFailed
+from fuse_plugin.broker import mountinfo, policy, protocol, records
+from fuse_plugin.broker.helper import NAME as HELPER_NAME
+from fuse_plugin.broker.helper import HelperFailed, Job, outcome
+from fuse_plugin.broker.stats import BrokerStats
 from fuse_plugin.errors import EXIT_USAGE, Failure
 from fuse_plugin.signals import stop_on_signals
 
 DEFAULT_DIR = Path("/var/lib/fuse-device-plugin/broker")
+DEFAULT_STATE = Path("/run/fuse-device-plugin/broker")
 DEFAULT_SHIM = Path("/usr/local/libexec/fuse-device-plugin/fusermount3")
-DEFAULT_FUSERMOUNT = Path("/usr/bin/fusermount3")
-DEFAULT_STAGING = Path("/run/fuse-broker-staging")
 DEFAULT_MAX_MOUNTS = 32
-# Built with the shim (scripts/build-native) and looked for beside it.
-ENTER_NAME = "fuse-broker-enter"
-MAX_CONNECTIONS = 64
+DEFAULT_MAX_MOUNTS_NODE = 1000
+# Connections open at once: per container (a tenant holding silent connections only
+# uses its own share) and for the node (the broker's fds).
+PER_CONTAINER = 4
+MAX_CONNECTIONS = 256
 REQUEST_DEADLINE = 5.0  # seconds from accept to a complete request
+HELPER_DEADLINE = 5.0  # seconds a helper may take; then it is killed
+KILL_GRACE = 2.0  # a killed helper still alive after this is stuck on a FUSE daemon
+ACCEPT_PAUSE = 1.0  # out of fds: the backlog waits this long before the next accept
+STOP_GRACE = 3.0  # SIGTERM: running helpers may finish within this
+PRUNE_EVERY = 10.0  # records of connections that ended are dropped this often
+TURN = 1.0  # the loop turns at least this often (the liveness probe watches it)
+SO_PASSRIGHTS = 83  # Linux 6.16+
 
 
 @dataclass(frozen=True)
 class BrokerSettings:
     directory: Path = DEFAULT_DIR
+    state: Path = DEFAULT_STATE
     shim: Path = DEFAULT_SHIM
-    fusermount: Path = DEFAULT_FUSERMOUNT
-    staging: Path = DEFAULT_STAGING
     max_mounts: int = DEFAULT_MAX_MOUNTS
+    max_mounts_node: int = DEFAULT_MAX_MOUNTS_NODE
+    allow_other: bool = False
+    metrics_port: int = 0
+    metrics_address: str = "0.0.0.0"
     log_format: str = "text"
     log_level: str = "info"
 
 
-def _max_mounts(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 10_000:
-        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to 10000, "
-                                         f"got {text!r}")
-    return int(text)
+def _count(limit: int) -> Callable[[str], int]:
+    def check(text: str) -> int:
+        if not protocol.DIGITS.fullmatch(text) or not 1 <= int(text) <= limit:
+            raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {limit}, "
+                                             f"got {text!r}")
+        return int(text)
+    return check
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", type=config.absolute_path, default=DEFAULT_DIR,
                         help="host directory for the socket and the shim; the plugin's "
                              f"--broker-dir (default: {DEFAULT_DIR})")
+    parser.add_argument("--state-dir", type=config.absolute_path, default=DEFAULT_STATE,
+                        help="host directory for the records of the mounts the broker "
+                             f"made, on a tmpfs (default: {DEFAULT_STATE})")
     parser.add_argument("--shim", type=config.absolute_path, default=DEFAULT_SHIM,
-                        help=f"the built fusermount3 shim to install there; {ENTER_NAME} "
+                        help=f"the built fusermount3 shim to install there; {HELPER_NAME} "
                              f"must be beside it (default: {DEFAULT_SHIM})")
-    parser.add_argument("--fusermount", type=config.absolute_path,
-                        default=DEFAULT_FUSERMOUNT,
-                        help=f"the real fusermount3 (default: {DEFAULT_FUSERMOUNT})")
-    parser.add_argument("--staging-dir", type=config.absolute_path, default=DEFAULT_STAGING,
-                        help="where mounts are made before they move into the caller, in "
-                             f"the broker's private namespace (default: {DEFAULT_STAGING})")
-    parser.add_argument("--max-mounts", type=_max_mounts, default=DEFAULT_MAX_MOUNTS,
-                        help="FUSE mounts one container may hold (default: "
-                             f"{DEFAULT_MAX_MOUNTS})")
+    parser.add_argument("--max-mounts", type=_count(10_000), default=DEFAULT_MAX_MOUNTS,
+                        help="FUSE mounts the broker makes for one container that the "
+                             f"kernel may hold at once (default: {DEFAULT_MAX_MOUNTS})")
+    parser.add_argument("--max-mounts-node", type=_count(100_000),
+                        default=DEFAULT_MAX_MOUNTS_NODE,
+                        help="the same for the whole node (default: "
+                             f"{DEFAULT_MAX_MOUNTS_NODE})")
+    parser.add_argument("--allow-other", type=config.boolean, default=False,
+                        help="let callers that are not root mount with allow_other, as "
+                             "user_allow_other in /etc/fuse.conf does (default: false)")
+    parser.add_argument("--metrics-port", type=config.port, default=0,
+                        help="serve /metrics, /healthz and /readyz on this TCP port; 0: "
+                             "off (default: 0)")
+    parser.add_argument("--metrics-address", type=config.address, default="0.0.0.0",
+                        help="address for --metrics-port (default: 0.0.0.0)")
     parser.add_argument("--log-format", type=config.choice(logs.FORMATS), default="text",
                         help="text or json (default: text)")
     parser.add_argument("--log-level", type=config.choice(logs.LEVELS), default="info",
@@ -85,35 +123,61 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def command(args: argparse.Namespace) -> int:
     settings = BrokerSettings(
-        directory=args.dir, shim=args.shim, fusermount=args.fusermount,
-        staging=args.staging_dir, max_mounts=args.max_mounts,
-        log_format=args.log_format, log_level=args.log_level)
+        directory=args.dir, state=args.state_dir, shim=args.shim,
+        max_mounts=args.max_mounts, max_mounts_node=args.max_mounts_node,
+        allow_other=args.allow_other, metrics_port=args.metrics_port,
+        metrics_address=args.metrics_address, log_format=args.log_format,
+        log_level=args.log_level)
     log = logs.setup(settings.log_format, settings.log_level)
     broker = Broker(settings, log)
-
     stop_on_signals(log, broker.stop)
     broker.start()
-    return broker.run()
+    with contextlib.ExitStack() as stack:
+        if settings.metrics_port:
+            from fuse_plugin.broker.probes import serve_probes
+
+            stack.enter_context(serve_probes(broker, settings, log))
+        return broker.run()
 
 
 @dataclass
-class _Connection:
+class _Work:
+    """One identified connection, from accept to its reply."""
+
     sock: socket.socket
-    caller: callers.Caller | None
-    refusal: str
+    caller: callers.Caller
     deadline: float
+    parsed: protocol.Request | None = None
+    options: policy.MountOptions = field(default_factory=policy.MountOptions)
+    job: Job | None = None
+    started: float = field(default_factory=time.perf_counter)
+    fields: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def container(self) -> str:
+        return self.caller.container
+
+    @property
+    def request(self) -> protocol.Request:
+        assert self.parsed is not None, "only parsed requests reach a helper"
+        return self.parsed
 
 
 class Broker:
     def __init__(self, settings: BrokerSettings, log: logging.Logger) -> None:
         self.settings = settings
         self.log = log
+        self.stats = BrokerStats()
         self.socket_path = settings.directory / protocol.SOCKET_NAME
-        self.enter = settings.shim.parent / ENTER_NAME
-        self.mounter = Mounter(settings.fusermount, self.enter, settings.staging)
+        self.helper = settings.shim.parent / HELPER_NAME
+        self.records = records.Records(settings.state)
+        self.turned = time.monotonic()
+        # Published for the probe thread: replaced whole, never changed in place.
+        self.mounts_held: dict[str, int] = {}
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
         self._inode = 0
+        self._mark = policy.Mark("", "")
         # Wakes the loop: signals (set_wakeup_fd, armed in start) and stop().
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -121,33 +185,38 @@ class Broker:
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._signals_wake = False
         self._stopping = False
-        self._connections: dict[int, _Connection] = {}
+        self._refuses_descriptors = False
+        self._paused_until = 0.0
+        self._pruned = 0.0
+        self._busy = 0  # refused at accept since the last summary line
+        self._busy_said = 0.0
+        self._waiting: dict[int, _Work] = {}  # by socket fd: no complete request yet
+        self._queued: dict[str, collections.deque[_Work]] = {}  # by container
+        self._running: dict[str, _Work] = {}  # by container: its helper is at work
+        self._stuck: list[tuple[str, Job]] = []  # killed helpers not dead yet
 
     # -- start and stop ------------------------------------------------------------------
 
     def start(self) -> None:
-        """Check the inputs, take a private namespace, install the shim, listen."""
+        """Check the inputs, install the shim, load the records, listen."""
         settings = self.settings
-        for what, path in (("--shim", settings.shim), ("--fusermount", settings.fusermount),
-                           (f"{ENTER_NAME} (beside --shim)", self.enter)):
+        for what, path in (("--shim", settings.shim),
+                           (f"{HELPER_NAME} (beside --shim)", self.helper)):
             if not os.access(path, os.X_OK) or not path.is_file():
                 raise Failure(f"{what} {path} is not an executable file", EXIT_USAGE)
-        if settings.fusermount.read_bytes() == settings.shim.read_bytes():
-            # In its own pod the broker gets broker mode's Allocate too, which binds the
-            # shim over /usr/bin/fusermount3: it would be asking itself.
-            raise Failure(f"--fusermount {settings.fusermount} is the broker's own shim; "
-                          "point it at the real fusermount3", EXIT_USAGE)
         try:
-            self.mounter.prepare()
+            _ensure_fusectl()
+            held = self.records.load()
         except OSError as err:
-            raise Failure(f"cannot make the broker's private mount namespace: "
-                          f"{err.strerror} (the broker needs CAP_SYS_ADMIN)") from None
+            raise Failure(f"cannot read the FUSE connections or the records in "
+                          f"{settings.state}: {err.strerror or err} (the broker needs "
+                          "CAP_SYS_ADMIN to mount fusectl)") from None
         try:
             settings.directory.mkdir(parents=True, exist_ok=True)
             # Every container user must reach the socket through the directory's bind.
             settings.directory.chmod(0o755)
-            shim = settings.directory / protocol.SHIM_NAME
-            files.commit(files.staged(shim, settings.shim.read_bytes(), 0o755), shim)
+            shim = install_shim(settings.directory, settings.shim.read_bytes())
+            self._mark = mountinfo.mark_of(settings.directory)
             self._listen()
         except OSError as err:
             raise Failure(f"cannot serve in {settings.directory}: {err.strerror or err}") \
@@ -155,8 +224,10 @@ class Broker:
         signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
         self._signals_wake = True
         logs.event(self.log, "broker.serving", socket=str(self.socket_path),
-                   shim=str(shim), fusermount=str(settings.fusermount),
-                   max_mounts=settings.max_mounts)
+                   shim=str(shim), max_mounts=settings.max_mounts,
+                   max_mounts_node=settings.max_mounts_node, held=held,
+                   allow_other=settings.allow_other,
+                   refuses_descriptors=self._refuses_descriptors)
 
     def _listen(self) -> None:
         path = self.socket_path
@@ -169,34 +240,61 @@ class Broker:
                 else:
                     raise Failure(f"another broker is serving on {path}")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Before bind: connections inherit it, so no client can queue a descriptor.
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 0)
+            self._refuses_descriptors = True
+        except OSError:  # before Linux 6.16 (docs/broker.md says what that costs)
+            self._refuses_descriptors = False
         listener.bind(str(path))
         # Anyone who can reach the socket may ask; the kernel names them, policy decides.
         os.chmod(path, 0o666)
-        listener.listen(64)
+        listener.listen(128)
         listener.setblocking(False)
         self._inode = os.stat(path).st_ino
         self._listener = listener
         self._selector.register(listener, selectors.EVENT_READ, "listen")
 
+    @property
+    def serving(self) -> bool:
+        """Ready: listening, and the socket at the path is still ours."""
+        if self._listener is None or self._stopping:
+            return False
+        try:
+            st = os.lstat(self.socket_path)
+        except OSError:
+            return False
+        return stat.S_ISSOCK(st.st_mode) and st.st_ino == self._inode
+
     def stop(self) -> None:
         """Stop the loop from any thread (SIGTERM's handler calls this from a thread of
-        its own). Setting the flag is not enough: the loop may have gone back to waiting
-        after the signal's own wake-up and before the flag was set, and would then sleep
-        up to a minute; so it is woken as well."""
+        its own); the loop is woken as well, since it may be waiting."""
         self._stopping = True
         with contextlib.suppress(OSError):  # full: a wake-up is pending anyway
             self._wake_w.send(b"\0")
 
     def _close(self) -> None:
-        for conn in list(self._connections.values()):
-            self._drop(conn)
         if self._listener is not None:
+            self._selector.unregister(self._listener)
             self._listener.close()
             with contextlib.suppress(OSError):
                 st = os.lstat(self.socket_path)
                 if stat.S_ISSOCK(st.st_mode) and st.st_ino == self._inode:
                     self.socket_path.unlink()
-        if self._signals_wake:
+            self._listener = None
+        for work in [*self._waiting.values(), *(w for q in self._queued.values() for w in q)]:
+            self._refuse(work, policy.Refused("the broker is stopping; try again", "busy"))
+        self._queued.clear()
+        deadline = time.monotonic() + STOP_GRACE
+        while self._running and time.monotonic() < deadline:
+            self._turn(min(TURN, max(0.0, deadline - time.monotonic())))
+        for work in list(self._running.values()):
+            if work.job is not None:
+                work.job.kill()
+            self._fail(work, HelperFailed("the broker is stopping"))
+        for _, job in self._stuck:
+            job.close()
+        if self._signals_wake and threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(-1)
         self._selector.close()
         logs.event(self.log, "stopped")
@@ -206,160 +304,395 @@ class Broker:
     def run(self) -> int:
         try:
             while not self._stopping:
-                deadline = min((c.deadline for c in self._connections.values()),
-                               default=time.monotonic() + 60)
-                events = self._selector.select(max(0.0, deadline - time.monotonic()))
-                for key, _ in events:
-                    if key.data == "listen":
-                        self._accept()
-                    elif key.data == "wake":
-                        with contextlib.suppress(BlockingIOError):
-                            self._wake_r.recv(512)
-                    else:
-                        self._receive(key.data)
-                self._expire()
-                self.mounter.reap()
+                self._turn(TURN)
         finally:
             self._close()
         return 0
 
+    def _turn(self, longest: float) -> None:
+        now = time.monotonic()
+        self.turned = now
+        deadlines = [w.deadline for w in self._waiting.values()]
+        deadlines += [w.job.deadline for w in self._running.values() if w.job is not None]
+        if self._paused_until:
+            deadlines.append(self._paused_until)
+        timeout = max(0.0, min([now + longest, *deadlines]) - now)
+        for key, _ in self._selector.select(timeout):
+            data = key.data
+            if data == "listen":
+                self._accept()
+            elif data == "wake":
+                with contextlib.suppress(BlockingIOError):
+                    self._wake_r.recv(512)
+            elif isinstance(data, _Work):
+                self._receive(data)
+            else:
+                kind, work = data
+                (self._hear if kind == "ctl" else self._exited)(work)
+        self._expire(time.monotonic())
+
     def _accept(self) -> None:
         assert self._listener is not None
-        while True:
+        for _ in range(64):  # then let the others have a turn
             try:
                 sock, _ = self._listener.accept()
             except BlockingIOError:
                 return
-            except OSError as err:  # out of fds: the request waits in the backlog
-                logs.event(self.log, "broker.accept_failed", logging.ERROR,
-                           reason=err.strerror or str(err))
+            except OSError as err:
+                if err.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._pause(err)
                 return
             sock.setblocking(False)
-            conn = _Connection(sock, None, "", time.monotonic() + REQUEST_DEADLINE)
-            if len(self._connections) >= MAX_CONNECTIONS:
-                conn.refusal = (f"the broker is busy ({MAX_CONNECTIONS} requests open); "
-                                "try again")
-            else:
-                try:
-                    conn.caller = callers.identify(sock)
-                except policy.Refused as refused:
-                    conn.refusal = str(refused)
-                except OSError as err:
-                    conn.refusal = f"cannot identify the caller: {err.strerror or err}"
-            self._connections[sock.fileno()] = conn
-            self._selector.register(sock, selectors.EVENT_READ, conn)
+            who: callers.Caller | None = None
+            try:
+                who = callers.identify(sock)
+                refused = self._over_limit(who.container)
+            except policy.Refused as refusal:
+                refused = refusal
+            except OSError as err:
+                refused = policy.Refused(f"cannot identify the caller: "
+                                         f"{err.strerror or err}", "caller")
+            if refused is not None:
+                self._refuse_at_accept(sock, who, refused)
+                continue
+            assert who is not None
+            work = _Work(sock, who, time.monotonic() + REQUEST_DEADLINE)
+            self._waiting[sock.fileno()] = work
+            self._selector.register(sock, selectors.EVENT_READ, work)
 
-    def _receive(self, conn: _Connection) -> None:
+    def _refuse_at_accept(self, sock: socket.socket, who: callers.Caller | None,
+                          refused: policy.Refused) -> None:
+        """Answered at once, so that a flood holds no slot (the shim reads the answer
+        even when its send finds the connection closed), and logged as one line a second
+        however many there are."""
+        self.stats.refused(refused.kind)
+        self._busy += 1
+        now = time.monotonic()
+        if now - self._busy_said >= 1.0:
+            logs.event(self.log, "broker.refused", logging.WARNING, connections=self._busy,
+                       kind=refused.kind, reason=str(refused), pid=who.pid if who else 0,
+                       cgroup=who.container if who else "")
+            self._busy, self._busy_said = 0, now
+        _answer(sock, protocol.encode(status="error", message=f"broker refused: {refused}"))
+        if who is not None:
+            who.close()
+
+    def _over_limit(self, container: str) -> policy.Refused | None:
+        mine = sum(1 for w in self._all() if w.container == container)
+        if mine >= PER_CONTAINER:
+            return policy.Refused(f"this container has {mine} requests open, the most it "
+                                  "may; try again", "busy")
+        if sum(1 for _ in self._all()) >= MAX_CONNECTIONS:
+            return policy.Refused(f"the broker is busy ({MAX_CONNECTIONS} requests open); "
+                                  "try again", "busy")
+        return None
+
+    def _all(self) -> list[_Work]:
+        return [*self._waiting.values(), *self._running.values(),
+                *(w for q in self._queued.values() for w in q)]
+
+    def _pause(self, err: OSError) -> None:
+        """Out of fds: stop accepting for a moment (the backlog holds the callers) and
+        say so once, instead of spinning on the same error."""
+        assert self._listener is not None
+        if self._paused_until:
+            return
+        self._selector.unregister(self._listener)
+        self._paused_until = time.monotonic() + ACCEPT_PAUSE
+        self.stats.accept_paused()
+        logs.event(self.log, "broker.accept_paused", logging.WARNING,
+                   reason=err.strerror or str(err), seconds=ACCEPT_PAUSE)
+
+    def _receive(self, work: _Work) -> None:
         try:
-            data = conn.sock.recv(protocol.MAX_MESSAGE + 1)
+            data = work.sock.recv(protocol.MAX_MESSAGE + 1)
         except BlockingIOError:
             return
         except OSError:
             data = b""
-        if data:
-            self._answer(conn, data)
-        self._drop(conn)
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for conn in [c for c in self._connections.values() if c.deadline <= now]:
-            self._reply(conn, protocol.encode(
-                status="error", message=f"no complete request within {REQUEST_DEADLINE}s"))
-            self._drop(conn)
-
-    def _drop(self, conn: _Connection) -> None:
-        self._connections.pop(conn.sock.fileno(), None)
-        with contextlib.suppress(KeyError, ValueError):
-            self._selector.unregister(conn.sock)
-        conn.sock.close()
-        if conn.caller is not None:
-            conn.caller.close()
-
-    def _reply(self, conn: _Connection, message: bytes, fds: tuple[int, ...] = ()) -> None:
-        conn.sock.settimeout(1.0)
-        with contextlib.suppress(OSError):
-            socket.send_fds(conn.sock, [message], list(fds))
-
-    # -- one request ---------------------------------------------------------------------
-
-    def _answer(self, conn: _Connection, data: bytes) -> None:
-        started = time.perf_counter()
-        who = conn.caller
-        fields: dict[str, object] = {}
-        if who is not None:
-            fields.update(pid=who.pid, uid=who.uid)
-        fuse_fd = -1
+        self._selector.unregister(work.sock)
+        del self._waiting[work.sock.fileno()]
+        if not data:
+            self._drop(work)
+            return
         try:
-            if conn.refusal:
-                raise policy.Refused(conn.refusal)
-            try:
-                request = protocol.parse_request(data)
-            except protocol.BadRequest as bad:
-                raise policy.Refused(str(bad)) from None
-            fields.update(op=request.op, path=request.path)
-            if request.op == "mount":
-                fields["options"] = request.options
-            assert who is not None
-            policy.caller(who.uid)
-            who.open()
-            fields.update(namespace=who.namespace, cgroup=who.cgroup)
-            if request.op == "mount":
-                fuse_fd, mount_id = self._mount(who, request)
-                fields["mount_id"] = mount_id
-                reply = protocol.encode(status="ok", mount_id=str(mount_id))
-            else:
-                fields["mount_id"] = self._unmount(who, request)
-                reply = protocol.encode(status="ok")
-            event, level = f"broker.{request.op}", logging.INFO
+            self._prepare(work, data)
         except policy.Refused as refused:
-            reply = protocol.encode(status="error", message=f"broker refused: {refused}")
-            event, level, fields["reason"] = "broker.refused", logging.WARNING, str(refused)
-        except (MountFailed, OSError) as failed:
-            text = str(failed) if isinstance(failed, MountFailed) else \
-                f"{failed.strerror or failed}"
-            reply = protocol.encode(status="error", message=f"broker: {text}")
-            event, level, fields["reason"] = "broker.failed", logging.ERROR, text
-        except Exception as bug:  # one request must never take the node's broker down
-            text = f"internal error ({type(bug).__name__}: {bug})"
-            reply = protocol.encode(status="error", message=f"broker: {text}")
-            event, level, fields["reason"] = "broker.failed", logging.ERROR, text
-        # Logged before the reply: whoever sees the answer can already find its line.
-        fields["duration_ms"] = round((time.perf_counter() - started) * 1000, 2)
-        logs.event(self.log, event, level, **fields)
+            self._refuse(work, refused)
+            return
+        self._queued.setdefault(work.container, collections.deque()).append(work)
+        self._next(work.container)
+
+    def _prepare(self, work: _Work, data: bytes) -> None:
+        """Everything that needs no helper: the message, the rules on strings, the
+        caller's namespaces, the quota."""
+        who = work.caller
+        work.fields.update(pid=who.pid, uid=who.uid, cgroup=who.container)
         try:
-            self._reply(conn, reply, (fuse_fd,) if fuse_fd != -1 else ())
-        finally:
-            if fuse_fd != -1:
-                os.close(fuse_fd)
+            request = protocol.parse_request(data)
+        except protocol.BadRequest as bad:
+            raise policy.Refused(str(bad), "request") from None
+        work.parsed = request
+        work.fields.update(op=request.op, path=request.path[:policy.MAX_PATH])
+        policy.path(request.path)
+        if request.op == "mount":
+            work.fields["options"] = request.options[:policy.MAX_OPTIONS]
+            work.options = policy.options(request.options)
+            policy.room_for_another(self.records.held(who.container),
+                                    self.settings.max_mounts, self.records.total,
+                                    self.settings.max_mounts_node)
+        who.open()
+        work.fields["namespace"] = who.namespace
 
-    def _mount(self, who: callers.Caller, request: protocol.Request) -> tuple[int, int]:
-        path = policy.path(request.path)
-        options = policy.options(request.options)
-        mounts = who.mounts()
-        policy.inside_fuse(path, mounts)
-        policy.room_for_another(mounts, self.settings.max_mounts)
-        target = who.resolve(path)
-        _not_shared(target, mounts)
-        return self.mounter.mount(who.ns_fd, target, options)
+    def _next(self, container: str) -> None:
+        """Start the container's next request unless one of its helpers is at work."""
+        queue = self._queued.get(container)
+        while queue and container not in self._running:
+            work = queue.popleft()
+            try:
+                work.job = Job.start(self.helper, work.caller, work.request,
+                                     not work.caller.node_root,
+                                     time.monotonic() + HELPER_DEADLINE)
+            except OSError as err:
+                self._fail(work, HelperFailed(f"cannot start {HELPER_NAME}: "
+                                              f"{err.strerror or err}"))
+                continue
+            self._running[container] = work
+            self._selector.register(work.job.ctl, selectors.EVENT_READ, ("ctl", work))
+            self._selector.register(work.job.pidfd, selectors.EVENT_READ, ("exit", work))
+        if queue is not None and not queue:
+            del self._queued[container]
 
-    def _unmount(self, who: callers.Caller, request: protocol.Request) -> int:
-        path = policy.path(request.path)
-        mounts = who.mounts()
-        entry = policy.fuse_mount_at(path, mounts)
-        if request.mount_id is not None and request.mount_id != entry.mount_id:
-            raise policy.Refused(f"{path!r} is now a different mount (id {entry.mount_id}, "
-                                 f"not {request.mount_id})")
-        parent, name = policy.parent_and_name(path)
-        policy.inside_fuse(parent, mounts)
-        self.mounter.unmount(who.ns_fd, who.resolve(parent), name,
-                             lazy="lazy" in request.flags)
-        return entry.mount_id
+    def _hear(self, work: _Work) -> None:
+        job = work.job
+        if job is None or self._running.get(work.container) is not work:
+            return  # an event for a helper that was released earlier in this turn
+        message = job.receive()
+        if message is None:
+            return
+        try:
+            outcome(message)
+            if message.get("status") == "mark":
+                policy.allocated(policy.mark_of(message), self._mark)
+                job.send(go=1)
+                return
+            if message.get("status") == "facts":
+                job.send(go=1, **self._verdict(work, message))
+                return
+            if message.get("status") == "ok":
+                self._succeed(work, message)
+                return
+            raise HelperFailed(f"the helper said {message.get('status')!r}")
+        except policy.Refused as refused:
+            job.send(go=0)
+            self._refuse(work, refused)
+        except HelperFailed as failed:
+            self._fail(work, failed)
+        self._release(work)
+
+    def _verdict(self, work: _Work, facts: dict[str, str]) -> dict[str, str]:
+        """Judge what the helper reached; the mount's parameters, or ``Refused``."""
+        who, request = work.caller, work.request
+        if request.op == "mount":
+            target = policy.Target(
+                mount_id=_int(facts, "mount"),
+                fstype=facts.get("fstype", ""), mount_point=facts.get("mount_point", ""),
+                mode=int(facts.get("mode", "0"), 8), owner=_int(facts, "owner"),
+                writable={"1": True, "0": False}.get(facts.get("writable", "")),
+                uid=_int(facts, "uid"), gid=_int(facts, "gid"))
+            policy.may_mount(target, work.options, who.node_root, self.settings.allow_other)
+            return work.options.verdict()
+        found = policy.Existing(
+            mount_id=_int(facts, "mount"),
+            fstype=facts.get("fstype", ""), connection=_connection(facts))
+        policy.may_unmount(found, self.records.owner(found.connection),
+                           container=who.container, uid=who.uid, node_root=who.node_root,
+                           mount_id=request.mount_id)
+        work.fields["mount_id"] = found.mount_id
+        return {"lazy": "1" if "lazy" in request.flags else "0"}
+
+    def _succeed(self, work: _Work, result: dict[str, str]) -> None:
+        mount_id = _int(result, "mnt_id")
+        work.fields["mount_id"] = mount_id
+        if work.request.op == "mount":
+            connection = _connection(result)
+            inode = self.records.inode_of(connection)
+            work.fields.update(connection=connection, mount_options=result.get("options"))
+            if inode is not None:
+                self.records.add(records.Record(
+                    connection=connection, ctl_inode=inode, container=work.container,
+                    uid=work.caller.uid, namespace=work.caller.namespace,
+                    mount_id=mount_id, path=work.request.path))
+                self.mounts_held = self.records.by_container()
+        self.stats.served(work.request.op)
+        self._log(work, f"broker.{work.request.op}", logging.INFO)
+        self._reply(work, status="ok", mount_id=mount_id)
+        self._release(work)
+
+    def _exited(self, work: _Work) -> None:
+        """The helper's pidfd: it has exited. A request it had not finished fails."""
+        job = work.job
+        if job is None:
+            return
+        message = job.receive()  # a last word it sent before exiting
+        if self._running.get(work.container) is work:
+            try:
+                outcome(message or {"status": "exited"})
+                if message is not None and message.get("status") == "ok":
+                    self._succeed(work, message)
+                    return
+                raise HelperFailed("the broker's helper exited without an answer")
+            except policy.Refused as refused:
+                self._refuse(work, refused)
+            except HelperFailed as failed:
+                self._fail(work, failed)
+            self._release(work)
+
+    def _release(self, work: _Work) -> None:
+        """The request is answered: its helper leaves the loop (or, if it is stuck in the
+        kernel, waits among the stuck), and the container's next request may start."""
+        job = work.job
+        if job is not None:
+            for fileobj in (job.ctl, job.pidfd):
+                with contextlib.suppress(KeyError, ValueError):
+                    self._selector.unregister(fileobj)
+            if job.exited():
+                job.close()
+            else:
+                job.kill()
+                self._stuck.append((work.container, job))
+            work.job = None
+        if self._running.get(work.container) is work:
+            del self._running[work.container]
+            self._next(work.container)
+
+    def _expire(self, now: float) -> None:
+        if self._paused_until and now >= self._paused_until and self._listener is not None:
+            self._paused_until = 0.0
+            self._selector.register(self._listener, selectors.EVENT_READ, "listen")
+        for work in [w for w in self._waiting.values() if w.deadline <= now]:
+            self._selector.unregister(work.sock)
+            del self._waiting[work.sock.fileno()]
+            self._refuse(work, policy.Refused(
+                f"no complete request within {REQUEST_DEADLINE:g}s", "request"))
+        for work in [w for w in self._running.values()
+                     if w.job is not None and w.job.deadline <= now]:
+            self.stats.stalled()
+            logs.event(self.log, "broker.stalled", logging.WARNING, cgroup=work.container,
+                       pid=work.caller.pid, seconds=HELPER_DEADLINE)
+            self._fail(work, HelperFailed(f"the request did not finish within "
+                                          f"{HELPER_DEADLINE:g}s (a FUSE filesystem on the "
+                                          "way may not be answering)"))
+            self._release(work)
+        self._reap_stuck(now)
+        if now - self._pruned >= PRUNE_EVERY:
+            self._pruned = now
+            self.records.prune()
+            self.mounts_held = self.records.by_container()
+
+    def _reap_stuck(self, now: float) -> None:
+        """Killed helpers that have not died are blocked in the kernel, which in a
+        container means on one of its FUSE daemons: abort the connections the broker made
+        for that container, which frees them, and say so."""
+        for container, job in list(self._stuck):
+            if job.exited():
+                job.close()
+                self._stuck.remove((container, job))
+            elif (not job.aborted and job.killed_at is not None
+                  and now - job.killed_at >= KILL_GRACE):
+                job.aborted = True
+                aborted = [n for n in self.records.connections(container) if _abort(n)]
+                self.stats.aborted(len(aborted))
+                logs.event(self.log, "broker.aborted", logging.WARNING, cgroup=container,
+                           connections=aborted,
+                           reason=f"a helper stayed blocked {KILL_GRACE:g}s after SIGKILL")
+
+    # -- answers -------------------------------------------------------------------------
+
+    def _refuse(self, work: _Work, refused: policy.Refused) -> None:
+        work.fields.update(reason=str(refused), kind=refused.kind)
+        self.stats.refused(refused.kind)
+        self._log(work, "broker.refused", logging.WARNING)
+        self._reply(work, status="error", message=f"broker refused: {refused}")
+
+    def _fail(self, work: _Work, failed: HelperFailed) -> None:
+        work.fields["reason"] = str(failed)
+        self.stats.failed()
+        self._log(work, "broker.failed", logging.ERROR)
+        self._reply(work, status="error", message=f"broker: {failed}")
+
+    def _log(self, work: _Work, event: str, level: int) -> None:
+        # Logged before the reply: whoever sees the answer can already find its line.
+        work.fields["duration_ms"] = round((time.perf_counter() - work.started) * 1000, 2)
+        logs.event(self.log, event, level, **work.fields)
+
+    def _reply(self, work: _Work, **fields: object) -> None:
+        _answer(work.sock, protocol.encode(**fields))
+        work.caller.close()
+
+    def _drop(self, work: _Work) -> None:
+        work.sock.close()
+        work.caller.close()
 
 
-def _not_shared(target_fd: int, mounts: list[policy.MountEntry]) -> None:
-    """Refuse a mountpoint on a shared mount: the FUSE mount would propagate to its
-    peers, which may be outside the container."""
-    mount_id = kernel.fd_mount_id(target_fd)
-    if any(m.mount_id == mount_id and m.shared for m in mounts):
-        raise policy.Refused("the mountpoint is on a shared mount: the FUSE mount would "
-                             "propagate out of the container")
+def _answer(sock: socket.socket, message: bytes) -> None:
+    """Send the one reply and close. Closing a unix socket with unread messages makes
+    the peer's next read fail (ECONNRESET) before it sees the reply: so further sends are
+    shut out first and whatever arrived is drained (a few messages at most; the socket
+    carries no descriptors)."""
+    with contextlib.suppress(OSError):
+        sock.send(message)
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RD)
+        while sock.recv(protocol.MAX_MESSAGE + 1):
+            pass
+    sock.close()
+
+
+def install_shim(directory: Path, shim: bytes) -> Path:
+    """Put the shim where Allocate binds it from, unless it is already there.
+
+    A bind source that was missing when a container started is created by the runtime
+    as an empty directory: removed here, so such a node recovers. An identical shim is
+    left alone (containers bind that very file); temp files an interrupted start left
+    are removed."""
+    path = directory / protocol.SHIM_NAME
+    for stale in directory.glob(f".{protocol.SHIM_NAME}.*.tmp"):
+        files.discard(stale)
+    if path.is_dir() and not path.is_symlink():
+        path.rmdir()
+    if files.read_or_none(path) != shim:
+        files.write_atomic(path, shim, 0o755)
+    return path
+
+
+def _ensure_fusectl() -> None:
+    """The FUSE connections' control files: mounted here if this namespace lacks them
+    (a pod's /sys has the directory but not the filesystem)."""
+    if os.path.ismount(records.FUSECTL):
+        return
+    from fuse_plugin.broker import kernel
+
+    kernel.mount("fusectl", str(records.FUSECTL), "fusectl", 0)
+
+
+def _abort(connection: int) -> bool:
+    try:
+        (records.FUSECTL / str(connection) / "abort").write_text("1")
+    except OSError:
+        return False
+    return True
+
+
+def _int(fields: dict[str, str], name: str) -> int:
+    text = fields.get(name, "")
+    if not protocol.DIGITS.fullmatch(text):
+        raise HelperFailed(f"the helper sent a bad {name}: {text[:20]!r}")
+    return int(text)
+
+
+def _connection(fields: dict[str, str]) -> int:
+    try:
+        return policy.connection_of(fields.get("dev", ""))
+    except ValueError as err:
+        raise HelperFailed(f"the helper sent {err}") from None

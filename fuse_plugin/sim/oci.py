@@ -160,6 +160,10 @@ class ContainerRequest:
     memory_limit: int | None = None
     cpuset: str | None = None
     readonly_rootfs: bool = False
+    # runAsUser/runAsGroup/supplementalGroups and allowPrivilegeEscalation: false.
+    user: tuple[int, int] = (0, 0)
+    groups: Sequence[int] = ()
+    no_new_privileges: bool = False
     host_network: bool = True
     host_users: bool = True
     privileged: bool = False
@@ -351,14 +355,16 @@ def build_spec(request: ContainerRequest) -> Spec:
         "ociVersion": "1.0.2",
         "process": {
             "terminal": False,
-            "user": {"uid": 0, "gid": 0},
+            "user": {"uid": request.user[0], "gid": request.user[1],
+                     **({"additionalGids": list(request.groups)} if request.groups else {})},
             "args": list(request.args),
             "env": env,
             "cwd": "/",
             "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
-            # As the kubelet sets it for a container that adds SYS_ADMIN: Kubernetes
-            # refuses allowPrivilegeEscalation: false together with CAP_SYS_ADMIN.
-            "noNewPrivileges": False,
+            # False as the kubelet sets it for a container that adds SYS_ADMIN (Kubernetes
+            # refuses allowPrivilegeEscalation: false together with CAP_SYS_ADMIN); true
+            # for a restricted pod.
+            "noNewPrivileges": request.no_new_privileges,
         },
         "root": {"path": "rootfs", "readonly": request.readonly_rootfs},
         "hostname": request.hostname,
@@ -405,6 +411,11 @@ def _image_dirs_binds() -> list[str]:
             if Path("/", n).is_dir() and not Path("/", n).is_symlink()]
 
 
+def _tmpfs_mode(options: Sequence[str]) -> int:
+    return next((int(o.split("=", 1)[1], 8) for o in options if o.startswith("mode=")),
+                0o777)
+
+
 def write_bundle(bundle: Path, spec: Spec) -> Path:
     """config.json and rootfs/ under ``bundle``, every mount point made beforehand (a
     read-only root cannot get them later); returns ``bundle``."""
@@ -423,6 +434,10 @@ def write_bundle(bundle: Path, spec: Spec) -> Path:
             target.touch(exist_ok=True)
         elif not target.is_symlink():
             target.mkdir(parents=True, exist_ok=True)
+            if m["type"] == "tmpfs":
+                # runc gives a tmpfs the mode of the directory it covers: that of the
+                # image's (/tmp 1777) or of a kubelet emptyDir (0777) unless it says.
+                target.chmod(_tmpfs_mode(m["options"]))
     (bundle / "config.json").write_text(json.dumps(spec, indent=1))
     return bundle
 
@@ -634,7 +649,7 @@ class RuncContainer:
     # -- inside --------------------------------------------------------------------------
 
     def exec(self, *args: str, timeout: float = 20.0, detach: bool = False,
-             env: Mapping[str, str] | None = None) -> Result:
+             env: Mapping[str, str] | None = None, user: str | None = None) -> Result:
         """``runc exec`` with a deadline; the process gets the container's capabilities,
         seccomp profile and cgroup. At the deadline every FUSE connection mounted in the
         container is aborted and the exec is killed (``ContainerTimeout``).
@@ -648,6 +663,8 @@ class RuncContainer:
             extra += ["--env", f"{k}={v}"]
         if detach:
             extra.append("--detach")
+        if user is not None:  # UID:GID, as the process's own (runc exec --user)
+            extra += ["--user", user]
         out, err = stem.with_suffix(".out"), stem.with_suffix(".err")
         with out.open("wb") as o, err.open("wb") as e:
             proc = subprocess.Popen(self.runc.command("exec", *extra, self.id, *args),

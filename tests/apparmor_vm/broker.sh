@@ -12,7 +12,10 @@
 # (the runtime's default seccomp profile): sshfs must mount through the broker, carry data
 # and unmount. Case "noseccomp": no filter: AppArmor refuses mount(2) with EACCES before the
 # capability check, libfuse gives up without running fusermount3, and the broker never
-# hears of it. Prints RESULT/MOUNTINFO/LOG lines with run=broker.
+# hears of it. Case "nonroot": a restricted pod's caller, uid 1000 with no_new_privs under
+# the same profile and filter: bindfs (libfuse 2) mounts its own directory through the
+# broker as uid 1000 (the broker's helper takes its /dev/fuse fd across AppArmor's ptrace
+# mediation) and carries data. Prints RESULT/MOUNTINFO/LOG lines with run=broker.
 set -u
 . /fdp/workloads.sh
 run=broker
@@ -20,6 +23,24 @@ say() { echo "$1 run=$run ${*:2}"; }
 BROKER_DIR=/run/fdp-broker
 PROFILE=$(awk '$1 == "control" { print $2 }' /fdp/plan)
 MOUNTS=/mnt/fuse/broker
+
+nonroot() {  # nonroot: bindfs as uid 1000 over its own directory
+  local mp=$MOUNTS/nonroot out
+  say RESULT "check=nonroot-uid status=$(id -u)"
+  if out=$(bindfs /srv/bindfs-nonroot "$mp" 2>&1); then
+    say RESULT "check=nonroot-mount status=ok"
+    say MOUNTINFO "workload=nonroot $(mountinfo_line "$mp")"
+    echo "written by uid 1000" > "$mp/from-nonroot.txt"
+    say RESULT "check=nonroot-data status=$(cat /srv/bindfs-nonroot/from-nonroot.txt 2>&1 | tr ' ' '_')"
+    if out=$(fusermount -u "$mp" 2>&1) && ! is_mounted "$mp"; then
+      say RESULT "check=nonroot-unmount status=ok"
+    else
+      say RESULT "check=nonroot-unmount status=fail ${out//$'\n'/ }"
+    fi
+  else
+    say RESULT "check=nonroot-mount status=refused ${out//$'\n'/ }"
+  fi
+}
 
 caller() {  # caller CASE
   local case=$1 mp=$MOUNTS/$1 out
@@ -29,6 +50,7 @@ caller() {  # caller CASE
   if (( (16#$caps >> 21) & 1 )); then out=yes; else out=no; fi
   say RESULT "check=$case-sys-admin status=$out"
   say RESULT "check=$case-seccomp status=$(awk '/^Seccomp:/ { print $2 }' /proc/self/status)"
+  if [ "$case" = nonroot ]; then nonroot; return; fi
   if out=$(sshfs root@127.0.0.1:/srv/sshfs "$mp" -o IdentityFile=/root/.ssh/id_ed25519 \
       -o StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,BatchMode=yes 2>&1); then
     say RESULT "check=$case-mount status=ok"
@@ -45,12 +67,15 @@ caller() {  # caller CASE
 }
 
 in_namespace() {  # in_namespace CASE FILTER: binds as Allocate would make them, then confine
-  local case=$1 filter=$2
-  mount --bind /fdp/native/fusermount3 /usr/bin/fusermount3
+  local case=$1 filter=$2 user=()
+  for target in /usr/bin/fusermount3 /usr/bin/fusermount; do
+    mount --bind /fdp/native/fusermount3 "$target"
+  done
   mount --bind "$BROKER_DIR" /run/fuse-broker
+  [ "$case" = nonroot ] && user=(--reuid=1000 --regid=1000 --clear-groups --no-new-privs)
   # shellcheck disable=SC2086
-  exec aa-exec -p "$PROFILE" -- setpriv --bounding-set -sys_admin --inh-caps -sys_admin -- \
-    $filter /fdp/broker.sh caller "$case"
+  exec aa-exec -p "$PROFILE" -- setpriv --bounding-set -sys_admin --inh-caps -sys_admin \
+    "${user[@]}" -- $filter /fdp/broker.sh caller "$case"
 }
 
 case ${1:-} in
@@ -58,10 +83,13 @@ case ${1:-} in
   ns) in_namespace "$2" "${3:-}"; exit ;;
 esac
 
-mkdir -p "$BROKER_DIR" /run/fuse-broker "$MOUNTS/seccomp" "$MOUNTS/noseccomp"
+mkdir -p "$BROKER_DIR" /run/fuse-broker "$MOUNTS/seccomp" "$MOUNTS/noseccomp" \
+  "$MOUNTS/nonroot" /srv/bindfs-nonroot
+chown 1000:1000 "$MOUNTS/nonroot" /srv/bindfs-nonroot
+chmod 0666 /dev/fuse  # as udev leaves it on a node (this guest runs no udev)
 PYTHONPATH=/fdp/py python3 -m fuse_plugin broker --dir "$BROKER_DIR" \
-  --shim /fdp/native/fusermount3 --fusermount /usr/bin/fusermount3 \
-  --staging-dir /run/fdp-broker-staging --log-format json >/tmp/broker.log 2>&1 &
+  --shim /fdp/native/fusermount3 --state-dir /run/fdp-broker-state \
+  --log-format json >/tmp/broker.log 2>&1 &
 broker=$!
 for _ in $(seq 600); do [ -S "$BROKER_DIR/broker.sock" ] && break; sleep 0.1; done
 if [ -S "$BROKER_DIR/broker.sock" ]; then
@@ -71,6 +99,7 @@ else
 fi
 unshare --mount --propagation private /fdp/broker.sh ns seccomp /fdp/seccomp-eperm
 unshare --mount --propagation private /fdp/broker.sh ns noseccomp
+unshare --mount --propagation private /fdp/broker.sh ns nonroot /fdp/seccomp-eperm
 kill -TERM "$broker"
 wait "$broker"
 say RESULT "check=broker-exit status=$?"

@@ -137,7 +137,7 @@ def write_overlay(stage: Path, overrides: dict[str, Path]) -> None:
         check=True,
     )
     # Broker mode (broker.sh): the package (the broker is stdlib Python), the shim and
-    # fuse-broker-enter as the image builds them, and a seccomp filter like the runtime's.
+    # fuse-broker-helper as the image builds them, and a seccomp filter like the runtime's.
     shutil.copytree(REPO / "fuse_plugin", fdp / "py" / "fuse_plugin",
                     ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([str(REPO / "scripts" / "build-native"), str(fdp / "native")], check=True)

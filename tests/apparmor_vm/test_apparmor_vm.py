@@ -260,5 +260,28 @@ def test_broker_mode_needs_no_fuse_rule_but_a_seccomp_profile(console: ConsoleLo
     assert result("broker-exit") == "0", ev
     events = [line.split('"event":"')[1].split('"')[0] for line in console.run_lines["broker"]
               if line.startswith("LOG") and '"event":"' in line]
-    assert events.count("broker.mount") == events.count("broker.unmount") == 1, ev
+    assert events.count("broker.mount") == events.count("broker.unmount") == 2, ev
     assert "broker.refused" not in events, ev
+
+
+def test_broker_mode_serves_a_non_root_caller_under_the_default_profile(
+        console: ConsoleLog) -> None:
+    """Issue 21: a restricted pod's caller (uid 1000, no_new_privs, no capability) under
+    the runtime-default AppArmor profile and seccomp filter mounts bindfs through the
+    broker, as itself, and carries data; AppArmor lets the broker's unconfined helper
+    take its /dev/fuse fd."""
+    ev = "\n".join(console.run_lines["broker"]) or "(no broker lines)"
+
+    def result(check: str) -> str:
+        return console.results.get(("broker", check), "(no result)")
+
+    assert result("nonroot-confined") == f"{RUNS['control'].profile}_(enforce)", ev
+    assert result("nonroot-uid") == "1000", ev
+    assert result("nonroot-sys-admin") == "no", ev
+    assert result("nonroot-mount") == "ok", ev
+    line = console.mountinfo.get(("broker", "nonroot"), "")
+    assert "fuse.bindfs" in line, ev
+    assert "user_id=1000" in line, ev
+    assert "nosuid,nodev" in line, ev
+    assert result("nonroot-data") == "written_by_uid_1000", ev
+    assert result("nonroot-unmount") == "ok", ev

@@ -1,5 +1,5 @@
 """Broker mode's real parts for the tests and the benchmark: the fusermount3 shim and
-fuse-broker-enter built by the project's own script (cached outside the work tree by a
+fuse-broker-helper built by the project's own script (cached outside the work tree by a
 hash of their sources), the
 real ``fuse-device-plugin broker`` process, and the plugin's broker-mode Allocate answer.
 """
@@ -16,6 +16,8 @@ from typing import Any
 
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.broker import protocol
+from fuse_plugin.broker.server import install_shim
+from fuse_plugin.sim import oci
 from tests.containers import plugin
 from tests.containers.servers import stop_process
 from tests.containers.workloads import wait_for
@@ -25,13 +27,14 @@ NATIVE = ROOT / "fuse_plugin" / "broker" / "native"
 SHIM_SOURCE = NATIVE / "fusermount3.c"
 BUILD_SCRIPT = ROOT / "scripts" / "build-native"
 CACHE = Path("/var/cache/fuse-device-plugin/native")
-CLIENT = Path(__file__).with_name("broker_client.py")
-# Where the raw client is bound inside a container.
-CLIENT_IN_CONTAINER = "/opt/broker-client/broker_client.py"
+ATTACKER = Path(__file__).with_name("attacker.py")
+# Where the hostile tenant's toolkit is bound inside a container.
+ATTACKER_DIR = "/opt/attacker"
+ATTACKER_IN_CONTAINER = f"{ATTACKER_DIR}/attacker.py"
 
 
 def shim(cache: Path = CACHE) -> Path:
-    """The shim built by scripts/build-native (fuse-broker-enter beside it), rebuilt only
+    """The shim built by scripts/build-native (fuse-broker-helper beside it), rebuilt only
     when a source changes."""
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in
                                      (*sorted(NATIVE.glob("*.c")), BUILD_SCRIPT)))
@@ -51,7 +54,7 @@ class BrokerProcess:
     def __init__(self, directory: Path, workdir: Path, shim_path: Path, *extra: str) -> None:
         self.workdir = workdir
         self.directory = directory
-        self.staging = workdir / "staging"
+        self.state = workdir / "state"
         self.shim = shim_path
         self.extra = extra
         self.log_path = workdir / "broker.log"
@@ -67,7 +70,7 @@ class BrokerProcess:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "fuse_plugin", "broker", "--dir", str(self.directory),
-                 "--shim", str(self.shim), "--staging-dir", str(self.staging),
+                 "--shim", str(self.shim), "--state-dir", str(self.state),
                  "--log-format", "json", *self.extra],
                 stdout=log, stderr=subprocess.STDOUT)
         proc = self.proc
@@ -106,7 +109,10 @@ class BrokerProcess:
 
 
 def allocation(workdir: Path, broker_dir: Path) -> api.ContainerAllocateResponse:
-    """The real plugin's Allocate answer with ``--broker-dir``."""
+    """The real plugin's Allocate answer with ``--broker-dir``: the plugin's slots are
+    healthy only once a broker has installed its shim there, so it is installed first,
+    as the broker does."""
+    install_shim(broker_dir, shim().read_bytes())
     return plugin.allocate(workdir, extra=("--broker-dir", str(broker_dir)))
 
 
@@ -120,3 +126,47 @@ def without_socket(allocation: api.ContainerAllocateResponse
     out.mounts.extend(m for m in allocation.mounts
                       if m.container_path != protocol.CONTAINER_DIR)
     return out
+
+
+def attacker_bind() -> oci.Bind:
+    """The toolkit, read-only in the container (python3 comes from the stand-in image)."""
+    return oci.Bind(ATTACKER.parent, ATTACKER_DIR, True)
+
+
+def attack(container: oci.RuncContainer, *args: str, timeout: float = 120.0,
+           prefix: tuple[str, ...] = (), env: dict[str, str] | None = None,
+           user: str | None = None) -> dict[str, Any]:
+    """Run one toolkit command in the container to its end (as ``user``, UID:GID, if
+    given); its JSON answer."""
+    result = container.exec(*prefix, "python3", ATTACKER_IN_CONTAINER, *args,
+                            timeout=timeout, env=env, user=user)
+    if result.returncode != 0:
+        raise AssertionError(f"attacker {args[0]} failed: {result.output}")
+    answer: dict[str, Any] = json.loads(result.stdout)
+    return answer
+
+
+class Held:
+    """A toolkit command that holds something (a mount, connections) until released:
+    its JSON answer is read, then it waits for its stdin to close."""
+
+    def __init__(self, container: oci.RuncContainer, *args: str,
+                 env: dict[str, str] | None = None, user: str | None = None) -> None:
+        extra = [arg for k, v in (env or {}).items() for arg in ("--env", f"{k}={v}")]
+        extra += ["--user", user] if user is not None else []
+        self.proc = subprocess.Popen(
+            container.runc.command("exec", *extra, container.id, "python3",
+                                   ATTACKER_IN_CONTAINER, *args),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        container.daemons.append(self.proc)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        try:
+            self.answer: dict[str, Any] = json.loads(line)
+        except json.JSONDecodeError:
+            raise AssertionError(f"attacker {args[0]} said: {line!r}") from None
+
+    def release(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(30)

@@ -8,7 +8,6 @@ see. A broker killed mid-request and restarted leaves existing mounts serving.""
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 from pathlib import Path
 
@@ -175,8 +174,7 @@ def test_broker_killed_mid_request_and_restarted(
         runc: oci.Runc, sshd: Sshd, tmp_path: Path) -> None:
     image = squash_image(tmp_path)
     work = workloads.sshfs(sshd, runc.base / "data-restart")
-    client_dir = oci.Bind(broker_rig.CLIENT.parent,
-                          os.path.dirname(broker_rig.CLIENT_IN_CONTAINER), True)
+    client_dir = broker_rig.attacker_bind()
     container = runc.create(oci.build_spec(broker_pod(
         work, broker_allocation, (oci.Bind(image, "/data2/image.sqfs", True), client_dir))),
         "restart").start()
@@ -225,3 +223,43 @@ except ConnectionResetError:  # killed with our request unread: a reset, not an 
     reply = b""
 print("the broker closed the connection" if not reply else reply, flush=True)
 """
+
+
+MERGERFS_HELPER = "/usr/bin/mergerfs-fusermount"
+
+
+def test_mergerfs_reaches_the_shim_through_its_own_helper_name(
+        broker_allocation: api.ContainerAllocateResponse, broker: BrokerProcess,
+        runc: oci.Runc) -> None:
+    """mergerfs carries its own libfuse, which runs a helper named mergerfs-fusermount
+    before any fusermount; its package ships a real one. Allocate binds the shim there
+    too, so mergerfs mounts through the broker like any libfuse program."""
+    container = runc.create(oci.build_spec(broker_pod(None, broker_allocation)),
+                            "mergerfs").start()
+    script = ("mkdir -p /tmp/a /tmp/b /mnt/merged && echo one > /tmp/a/one && "
+              "mergerfs /tmp/a:/tmp/b /mnt/merged && cat /mnt/merged/one && "
+              "echo two > /mnt/merged/two && cat /tmp/a/two /tmp/b/two 2>/dev/null")
+    result = container.sh(script)
+    assert result.stdout.split() == ["one", "two"], result.output
+    assert ("/mnt/merged", "fuse.mergerfs") in container.mounts()
+    [mounted] = broker.events("broker.mount")
+    assert mounted["path"] == "/mnt/merged"
+    container.exec("fusermount", "-u", "/mnt/merged").check()
+    assert container.mounts() == []
+
+
+def test_without_the_shim_at_its_helper_name_mergerfs_finds_the_real_one(
+        broker_allocation: api.ContainerAllocateResponse, broker: BrokerProcess,
+        runc: oci.Runc) -> None:
+    """The failure the README's error table explains: the image's real helper cannot
+    mount without CAP_SYS_ADMIN, and says so in fusermount's words."""
+    allocation = api.ContainerAllocateResponse()
+    allocation.CopyFrom(broker_allocation)
+    del allocation.mounts[:]
+    allocation.mounts.extend(m for m in broker_allocation.mounts
+                             if m.container_path != MERGERFS_HELPER)
+    container = runc.create(oci.build_spec(broker_pod(None, allocation)), "nomerge").start()
+    result = container.sh("mkdir -p /tmp/a /mnt/merged && mergerfs /tmp/a /mnt/merged")
+    assert result.returncode != 0
+    assert "fusermount: mount failed: Operation not permitted" in result.output
+    assert broker.events("broker.mount") == []

@@ -1,12 +1,10 @@
 """Hostile requests to the broker from a broker-mode container, sent the way a container's
-root could send them: straight over the socket (tests/containers/broker_client.py),
-not through the shim. Each is refused with a reason in the reply, logged in one line,
-and leaves no mount anywhere: not in the caller, not in a neighbour, not on the node,
-not in the broker's staging area."""
+root could send them: straight over the socket (tests/containers/attacker.py), not
+through the shim. Each is refused with a reason in the reply, logged in one line, and
+leaves no mount anywhere: not in the caller, not in a neighbour, not on the node."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,16 +16,15 @@ from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.sim import oci
 from tests.containers import broker as broker_rig
 from tests.containers import profiles, workloads
-from tests.containers.broker import BrokerProcess
+from tests.containers.broker import BrokerProcess, attack
 
 pytestmark = pytest.mark.slow
 
 MAX_MOUNTS = 8
-CLIENT = ["python3", broker_rig.CLIENT_IN_CONTAINER]
 SETUP = ("mkdir -p /mnt/ok /mnt/real && ln -sfn /etc /mnt/to-etc && "
          "ln -sfn ../../../../.. /mnt/up && ln -sfn /proc/1/root /mnt/magic && "
          "touch /mnt/file")
-MOUNT = ["v=1", "op=mount"]
+MOUNT = ["op=mount"]
 
 
 class Rig:
@@ -42,23 +39,20 @@ class Rig:
 
     def send(self, *fields: str, container: oci.RuncContainer | None = None,
              prefix: tuple[str, ...] = ()) -> dict[str, Any]:
-        result = (container or self.attacker).exec(*prefix, *CLIENT, *fields, timeout=60)
-        assert result.returncode == 0, result.output
-        answer: dict[str, Any] = json.loads(result.stdout)
-        return answer
+        """A request as the toolkit sends it; a mount names the caller's own /dev/fuse."""
+        fuse = ("--fuse",) if "op=mount" in fields else ()
+        return attack(container or self.attacker, "ask", *fuse, *fields, prefix=prefix)
 
     def assert_nothing_mounted(self) -> None:
         assert self.attacker.mounts() == []
         assert self.neighbour.mounts() == []
         assert oci.fuse_mounts_of(os.getpid()) == []  # the node's namespace
-        assert oci.fuse_mounts_of(self.broker.pid) == []  # staging
 
 
 def pod(allocation: api.ContainerAllocateResponse) -> oci.ContainerRequest:
     return oci.ContainerRequest(
         args=workloads.HOLD, allocation=allocation, seccomp=profiles.runtime_default(),
-        binds=[oci.Bind(broker_rig.CLIENT.parent,
-                        os.path.dirname(broker_rig.CLIENT_IN_CONTAINER), True)])
+        binds=[broker_rig.attacker_bind()])
 
 
 @pytest.fixture(scope="module")
@@ -99,14 +93,14 @@ HOSTILE = [
      "unknown request field(s): fstype"),
     ("its own user_id", [*MOUNT, "path=/mnt/ok", "options=user_id=1000"],
      "sets fd=, rootmode=, user_id="),
-    ("an escaped comma smuggling suid", [*MOUNT, "path=/mnt/ok",
-                                         "options=fsname=a\\\\,suid"], "always nosuid"),
-    ("unknown op", ["v=1", "op=bind", "path=/mnt/ok"], "unknown op 'bind'"),
-    ("other version", ["v=2", "op=mount", "path=/mnt/ok"], "protocol version '2'"),
-    ("malformed", ["v=1", "nonsense"], "malformed field"),
-    ("unmount a runtime mount", ["v=1", "op=unmount", "path=/tmp"],
-     "is not a FUSE mount (it is tmpfs)"),
-    ("unmount a /proc mask", ["v=1", "op=unmount", "path=/proc/kcore"], "is under /proc"),
+    ("a dangling escape that would swallow what follows",
+     [*MOUNT, "path=/mnt/ok", "options=fsname=a\\"], "unfinished escape"),
+    ("digits that are not ASCII", [*MOUNT, "path=/mnt/ok", "options=max_read=\u0661\u0662"],
+     "max_read must be a number"),
+    ("unknown op", ["op=bind", "path=/mnt/ok"], "unknown op 'bind'"),
+    ("malformed", ["nonsense"], "malformed field"),
+    ("unmount a runtime mount", ["op=unmount", "path=/tmp"], "is not a FUSE mount"),
+    ("unmount a /proc mask", ["op=unmount", "path=/proc/kcore"], "is under /proc"),
 ]
 
 
@@ -118,11 +112,17 @@ def test_hostile_request_is_refused_logged_and_mounts_nothing(
     assert answer["status"] == "error"
     assert words in answer["message"]
     assert answer["message"].startswith("broker refused: ")
-    assert not answer["fd"]
     refused = rig.broker.events("broker.refused")
     assert len(refused) == before + 1
     assert words in refused[-1]["reason"]
     assert rig.broker.events("broker.mount") == []
+    rig.assert_nothing_mounted()
+
+
+def test_other_protocol_versions_are_refused(rig: Rig) -> None:
+    answer = attack(rig.attacker, "ask", "v=1", "op=mount", "path=/mnt/ok")
+    assert "protocol version '2,1'" in answer["message"] or \
+        "given twice" in answer["message"]
     rig.assert_nothing_mounted()
 
 
@@ -132,18 +132,21 @@ def test_naming_another_process_is_refused(rig: Rig) -> None:
     rig.assert_nothing_mounted()
 
 
-def test_a_caller_that_has_exited_is_refused(rig: Rig) -> None:
-    answer = rig.send("--orphan", *MOUNT, "path=/mnt/ok")
-    assert answer["status"] == "error"
-    assert "has exited" in answer["message"]
+@pytest.mark.parametrize(("fd", "words"), [
+    ("0", "is not /dev/fuse"),  # its stdin
+    ("999", "has no open fd 999"),
+])
+def test_a_fd_that_is_not_the_callers_dev_fuse_is_refused(rig: Rig, fd: str,
+                                                          words: str) -> None:
+    answer = attack(rig.attacker, "ask", "--fd", fd, *MOUNT, "path=/mnt/ok")
+    assert words in answer["message"]
     rig.assert_nothing_mounted()
 
 
-def test_non_root_caller_is_refused(rig: Rig) -> None:
-    answer = rig.send(*MOUNT, "path=/mnt/ok",
-                      prefix=("setpriv", "--reuid=1000", "--regid=1000", "--clear-groups"))
-    assert "mounts only for root" in answer["message"]
-    assert "uid 1000" in answer["message"]
+def test_a_caller_that_has_exited_is_refused(rig: Rig) -> None:
+    answer = attack(rig.attacker, "ask", "--orphan", *MOUNT, "path=/mnt/ok", "fuse_fd=0")
+    assert answer["status"] == "error"
+    assert "has exited" in answer["message"]
     rig.assert_nothing_mounted()
 
 
@@ -159,14 +162,14 @@ def test_the_shim_resolves_links_and_the_broker_still_refuses_etc(rig: Rig) -> N
 
 
 def test_a_thousand_requests_hit_the_cap_and_the_broker_keeps_serving(rig: Rig) -> None:
-    """Runs last in this module: it leaves the attacker with MAX_MOUNTS dead mounts."""
+    """Runs last in this module: it leaves the attacker with MAX_MOUNTS mounts."""
     before = len(rig.broker.events())
-    result = rig.send("--repeat", "1000", "--mkdir", *MOUNT, "path=/mnt/flood/{i}",
-                      "options=rw")
+    result = attack(rig.attacker, "ask", "--fuse", "--repeat", "1000", "--mkdir", *MOUNT,
+                    "path=/mnt/flood/{i}", "options=rw")
     assert result["counts"] == {"ok": MAX_MOUNTS, "error": 1000 - MAX_MOUNTS}
-    [(message, count)] = [(m, c) for m, c in result["messages"].items() if m]
+    [(message, count)] = list(result["messages"].items())
     assert count == 1000 - MAX_MOUNTS
-    assert f"already has {MAX_MOUNTS} FUSE mounts" in message
+    assert f"already holds {MAX_MOUNTS} FUSE mounts" in message
     points = sorted(point for point, _ in rig.attacker.mounts())
     assert points == sorted(f"/mnt/flood/{i}" for i in range(MAX_MOUNTS))
     assert rig.neighbour.mounts() == []

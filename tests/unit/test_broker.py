@@ -1,6 +1,7 @@
 """Broker mode without containers: the wire format, every policy rule as a function, the
-shim built by scripts/build-native and run for its own errors, the broker process's start,
-stop and restart, and the plugin's broker-mode Allocate answer over its real socket."""
+records of what the broker mounted, the shim and the helper built by scripts/build-native,
+the broker process's start, stop, restart and limits, and the plugin's broker-mode side
+(Allocate's binds, slots healthy only once the shim is installed)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from fuse_plugin.broker import policy, protocol
-from fuse_plugin.broker.policy import MountEntry, Refused
-from fuse_plugin.broker.server import Broker, BrokerSettings
+from fuse_plugin.broker import mountinfo, policy, protocol, server
+from fuse_plugin.broker.policy import Existing, Mark, MountOptions, Owner, Refused, Target
+from fuse_plugin.broker.records import Record, Records
+from fuse_plugin.broker.server import Broker, BrokerSettings, install_shim
 from fuse_plugin.sim.kubelet import KubeletStandIn
 from tests.conftest import RESOURCE, StartPlugin
 from tests.containers import broker as broker_rig
+from tests.waiting import wait_until
+
+# Digits, but not ASCII ones: int() and str.isdigit() take them, fusermount3 does not.
+ARABIC_INDIC = "\u0661\u0662"
 
 # -- the wire -----------------------------------------------------------------------------
 
@@ -37,58 +43,71 @@ def test_shim_and_protocol_agree_on_constants() -> None:
 
 
 def test_a_shim_request_parses() -> None:
-    data = protocol.encode(v="1", op="mount", path="/mnt/x",
+    data = protocol.encode(v="2", op="mount", path="/mnt/x", fuse_fd="5",
                            options="rw,nosuid,nodev,fsname=a\\,b,subtype=sshfs")
     assert protocol.parse_request(data) == protocol.Request(
-        op="mount", path="/mnt/x", options="rw,nosuid,nodev,fsname=a\\,b,subtype=sshfs")
+        op="mount", path="/mnt/x", options="rw,nosuid,nodev,fsname=a\\,b,subtype=sshfs",
+        fuse_fd=5)
     unmount = protocol.parse_request(protocol.encode(
-        v="1", op="unmount", path="/mnt/x", flags="lazy,auto", mount_id="77"))
+        v="2", op="unmount", path="/mnt/x", flags="lazy,auto", mount_id="77"))
     assert unmount.flags == {"lazy", "auto"}
     assert unmount.mount_id == 77
 
 
 @pytest.mark.parametrize(("data", "words"), [
     (b"", "malformed message"),
-    (b"v=1\0op=mount\0path=/x", "malformed message"),  # no final NUL
-    (b"v=1\0op=mount\0path=/x\0path=/y\0", "given twice"),
-    (b"v=1\0op=mount\0path=/x\0pid=1\0", "unknown request field(s): pid"),
-    (b"v=1\0op=mount\0path\0", "expected key=value"),
-    (b"v=1\0op=mount\0path=\xff\0", "must be UTF-8"),
+    (b"v=2\0op=mount\0path=/x", "malformed message"),  # no final NUL
+    (b"v=2\0op=mount\0path=/x\0path=/y\0", "given twice"),
+    (b"v=2\0op=mount\0path=/x\0pid=1\0", "unknown request field(s): pid"),
+    (b"v=2\0op=mount\0path\0", "expected key=value"),
+    (b"v=2\0op=mount\0path=\xff\0", "must be UTF-8"),
     (b"op=mount\0path=/x\0", "protocol version None"),
-    (b"v=1\0op=chmod\0path=/x\0", "unknown op 'chmod'"),
-    (b"v=1\0op=mount\0", "names no path"),
-    (b"v=1\0op=mount\0path=/x\0flags=lazy\0", "flags apply to unmount only"),
-    (b"v=1\0op=unmount\0path=/x\0flags=force\0", "unknown flag(s): force"),
-    (b"v=1\0op=unmount\0path=/x\0mount_id=-1\0", "mount_id must be a number"),
-    (b"v=1\0op=mount\0path=/" + b"x" * protocol.MAX_MESSAGE + b"\0", "malformed message"),
+    (b"v=1\0op=mount\0path=/x\0", "protocol version '1' is not '2'"),
+    (b"v=2\0op=chmod\0path=/x\0", "unknown op 'chmod'"),
+    (b"v=2\0op=mount\0fuse_fd=3\0", "names no path"),
+    (b"v=2\0op=mount\0path=/x\0", "must name the caller's /dev/fuse fd"),
+    (b"v=2\0op=unmount\0path=/x\0fuse_fd=3\0", "fuse_fd applies to mount only"),
+    (b"v=2\0op=mount\0path=/x\0fuse_fd=3\0flags=lazy\0", "flags apply to unmount only"),
+    (b"v=2\0op=unmount\0path=/x\0flags=force\0", "unknown flag(s): force"),
+    (b"v=2\0op=unmount\0path=/x\0mount_id=-1\0", "mount_id must be a number"),
+    (f"v=2\0op=unmount\0path=/x\0mount_id={ARABIC_INDIC}\0".encode(), "mount_id must be a number"),
+    (b"v=2\0op=mount\0path=/x\0fuse_fd= 3\0", "fuse_fd must be a number"),
+    (b"v=2\0op=mount\0path=/" + b"x" * protocol.MAX_MESSAGE + b"\0", "malformed message"),
 ])
 def test_bad_requests_are_refused_with_a_reason(data: bytes, words: str) -> None:
     with pytest.raises(protocol.BadRequest, match=re.escape(words)):
         protocol.parse_request(data)
 
 
-# -- policy -------------------------------------------------------------------------------
+# -- policy: options, read once -----------------------------------------------------------
 
 
-@pytest.mark.parametrize(("given", "passed"), [
+@pytest.mark.parametrize(("given", "wanted"), [
     # what libfuse 3 (sshfs) and libfuse 2 (s3fs) send through the helper
     ("rw,nosuid,nodev,fsname=127.0.0.1:/srv,subtype=sshfs",
-     "rw,nosuid,nodev,fsname=127.0.0.1:/srv,subtype=sshfs,nosuid,nodev"),
+     MountOptions(source="127.0.0.1:/srv", subtype="sshfs")),
     ("rw,nosuid,nodev,allow_other,default_permissions,fsname=s3fs,subtype=s3fs",
-     "rw,nosuid,nodev,allow_other,default_permissions,fsname=s3fs,subtype=s3fs,"
-     "nosuid,nodev"),
-    ("", "nosuid,nodev"),
-    ("ro,max_read=131072,noatime", "ro,max_read=131072,noatime,nosuid,nodev"),
-    ("fsname=a\\,suid", "fsname=a\\,suid,nosuid,nodev"),  # escaped: part of the name
+     MountOptions(source="s3fs", subtype="s3fs",
+                  flags=("allow_other", "default_permissions"))),
+    ("", MountOptions()),
+    ("ro,max_read=131072,noatime,sync,dirsync",
+     MountOptions(max_read="131072", flags=("ro", "sync", "dirsync"),
+                  attrs=("ro", "noatime"))),
+    ("ro,rw,noexec,exec,nonempty", MountOptions()),  # the last one wins, as in fusermount3
+    # An escaped comma is part of the name: the kernel gets it as one parameter.
+    ("fsname=a\\,suid", MountOptions(source="a,suid")),
+    ("fsname=back\\\\slash", MountOptions(source="back\\slash")),
 ])
-def test_allowed_options_pass_with_nosuid_nodev_last(given: str, passed: str) -> None:
-    assert policy.options(given) == passed
+def test_allowed_options_are_read_into_the_mounts_parameters(given: str,
+                                                             wanted: MountOptions) -> None:
+    assert policy.options(given) == wanted
 
 
 @pytest.mark.parametrize(("given", "words"), [
     ("suid", "always nosuid,nodev"),
     ("rw,dev", "always nosuid,nodev"),
     ("fsname=a\\\\,suid", "always nosuid,nodev"),  # an escaped backslash, then a comma
+    ("fsname=a\\", "ends in an unfinished escape"),  # would swallow what a joiner adds
     ("blkdev", "fuseblk"),
     ("blksize=4096", "fuseblk"),
     ("auto_unmount", "handled by the fusermount3 shim"),
@@ -96,13 +115,17 @@ def test_allowed_options_pass_with_nosuid_nodev_last(given: str, passed: str) ->
     ("fd=3", "sets fd="),
     ("context=system_u:object_r:tmp_t", "unknown mount option"),
     ("max_read=lots", "max_read must be a number"),
+    (f"max_read={ARABIC_INDIC}", "max_read must be a number"),  # digits, but not ASCII ones
+    ("max_read= 12", "max_read must be a number"),
+    ("max_read=4294967296", "max_read must be a number"),
     ("subtype=", "needs a value"),
     ("fsname=a\nb", "control character"),
     ("x" * (policy.MAX_OPTIONS + 1), "longer than"),
 ])
 def test_refused_options(given: str, words: str) -> None:
-    with pytest.raises(Refused, match=re.escape(words)):
+    with pytest.raises(Refused, match=re.escape(words)) as refused:
         policy.options(given)
+    assert refused.value.kind == "option"
 
 
 def test_options_split_like_fusermount3() -> None:
@@ -111,6 +134,9 @@ def test_options_split_like_fusermount3() -> None:
     assert policy.split_options("fsname=a\\\\,suid") == ["fsname=a\\\\", "suid"]
     assert policy.split_options("max_read=1\\,suid") == ["max_read=1\\", "suid"]
     assert policy.split_options("rw,,ro") == ["rw", "", "ro"]
+
+
+# -- policy: paths, callers, targets ------------------------------------------------------
 
 
 @pytest.mark.parametrize("path", ["/mnt/x", "/data", "/var/lib/app/mnt", "/home/u/fs",
@@ -139,53 +165,161 @@ def test_paths_refused(path: str, words: str) -> None:
         policy.path(path)
 
 
-MOUNTINFO = """\
-22 1 0:21 / / rw,relatime shared:1 - ext4 /dev/vda rw
+def test_a_chrooted_caller_and_a_namespace_mapping_node_root_are_refused() -> None:
+    policy.caller("/", maps_node_root=False)
+    with pytest.raises(Refused, match="not its mount namespace's root"):
+        policy.caller("/etc", maps_node_root=False)
+    with pytest.raises(Refused, match="maps the node's uid 0"):
+        policy.caller("/", maps_node_root=True)
+
+
+def test_only_a_namespace_holding_the_brokers_directory_may_ask() -> None:
+    ours = Mark("254:0", "/var/lib/fuse-device-plugin/broker")
+    policy.allocated(Mark("254:0", "/var/lib/fuse-device-plugin/broker"), ours)
+    for theirs in (Mark("", ""), Mark("254:0", "/elsewhere"), Mark("0:99", ours.root)):
+        with pytest.raises(Refused, match="not given broker mode") as refused:
+            policy.allocated(theirs, ours)
+        assert refused.value.kind == "allocation"
+
+
+def test_quotas_per_container_and_for_the_node() -> None:
+    policy.room_for_another(3, 4, 10, 11)
+    with pytest.raises(Refused, match=r"already holds 4 FUSE mounts.*--max-mounts 4"):
+        policy.room_for_another(4, 4, 10, 100)
+    with pytest.raises(Refused, match=r"node already holds 11.*--max-mounts-node 11"):
+        policy.room_for_another(0, 4, 11, 11)
+
+
+def target(**changes: object) -> Target:
+    fields: dict[str, object] = dict(
+        mount_id=40, fstype="overlay", mount_point="/", mode=0o755,
+        owner=1000, writable=True, uid=1000, gid=1000)
+    fields.update(changes)
+    return Target(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("changes", "node_root", "words"), [
+    ({"fstype": "proc", "mount_point": "/mnt/p"}, True, "on a proc filesystem"),
+    ({"fstype": "fuse.sshfs", "mount_point": "/mnt/f"}, True, "on a fuse.sshfs filesystem"),
+    ({"fstype": "fuseblk", "mount_point": "/mnt/b"}, True, "on a fuseblk filesystem"),
+    ({"fstype": "tmpfs", "mount_point": "/dev"}, True, "on the mount at '/dev'"),
+    ({"fstype": "tmpfs", "mount_point": "/run/fuse-broker"}, True, "under /run/fuse-broker"),
+    ({"writable": False, "owner": 0}, False, "may not write the mountpoint"),
+    ({"mode": 0o1777, "owner": 0}, False, "sticky and owned by uid 0"),
+])
+def test_targets_refused(changes: dict[str, object], node_root: bool, words: str) -> None:
+    with pytest.raises(Refused, match=re.escape(words)):
+        policy.may_mount(target(**changes), MountOptions(), node_root, allow_other=False)
+
+
+def test_targets_allowed_and_the_node_decides_allow_other() -> None:
+    policy.may_mount(target(), MountOptions(), node_root=False, allow_other=False)
+    policy.may_mount(target(mode=0o1777, owner=1000), MountOptions(), False, False)
+    policy.may_mount(target(writable=None, owner=0), MountOptions(), True, False)
+    other = MountOptions(flags=("allow_other",))
+    policy.may_mount(target(), other, node_root=True, allow_other=False)
+    policy.may_mount(target(), other, node_root=False, allow_other=True)
+    with pytest.raises(Refused, match="allow_other is not allowed on this node"):
+        policy.may_mount(target(), other, node_root=False, allow_other=False)
+
+
+def existing(fstype: str = "fuse.sshfs", mount_id: int = 50) -> Existing:
+    return Existing(mount_id=mount_id, fstype=fstype, connection=60)
+
+
+@pytest.mark.parametrize(("found", "owner", "uid", "node_root", "mount_id", "words"), [
+    (existing("tmpfs"), Owner("/c", 0), 0, True, None, "not a FUSE mount (it is tmpfs)"),
+    (existing(), None, 0, True, None, "not a mount the broker made for this container"),
+    (existing(), Owner("/other", 0), 0, True, None, "not a mount the broker made"),
+    (existing(), Owner("/c", 1000), 1001, False, None, "belongs to uid 1000"),
+    (existing(mount_id=51), Owner("/c", 0), 0, True, 50, "now a different mount"),
+])
+def test_unmounts_refused(found: Existing, owner: Owner | None, uid: int,  # noqa: PLR0917
+                          node_root: bool, mount_id: int | None, words: str) -> None:
+    with pytest.raises(Refused, match=re.escape(words)):
+        policy.may_unmount(found, owner, container="/c", uid=uid, node_root=node_root,
+                           mount_id=mount_id)
+
+
+def test_unmounts_allowed() -> None:
+    policy.may_unmount(existing(), Owner("/c", 1000), container="/c", uid=1000,
+                       node_root=False, mount_id=50)
+    policy.may_unmount(existing(), Owner("/c", 1000), container="/c", uid=0,
+                       node_root=True, mount_id=None)
+
+
+def test_fuseblk_is_fuse_for_every_rule() -> None:
+    """Block-device FUSE has a daemon too: the broker never resolves a path through it,
+    never mounts on it, and treats it as FUSE when asked to unmount."""
+    assert all(policy.is_fuse(t) for t in ("fuse", "fuse.sshfs", "fuseblk", "fuseblk.ntfs"))
+    assert not any(policy.is_fuse(t) for t in ("fusectl", "fuseblkx", "tmpfs", "overlay"))
+    assert {"fuse", "fuse.", "fuseblk", "fuseblk.", "autofs"} <= set(policy.NO_WALK)
+    assert not policy.MOUNTABLE & {"fuse", "fuseblk", "autofs", "proc", "sysfs"}
+
+
+def test_connection_numbers_come_from_the_superblocks_device() -> None:
+    assert policy.connection_of("0:63") == 63
+    for bad in ("", "63", "0:x", f"0:{ARABIC_INDIC}"):
+        with pytest.raises(ValueError, match="bad device"):
+            policy.connection_of(bad)
+
+
+# -- mountinfo and records ----------------------------------------------------------------
+
+
+TABLE = """\
+22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
 30 22 0:30 / /tmp rw,nosuid,nodev - tmpfs tmpfs rw
-31 22 0:40 / /mnt/with\\040space rw,nosuid,nodev master:3 - fuse.sshfs host:/ rw,user_id=0
-32 22 0:41 / /mnt/s3 rw,nosuid,nodev shared:7 - fuse.s3fs s3fs rw,user_id=0
-33 30 0:42 / /tmp/plain rw - fuse /dev/fuse rw
-34 22 0:43 / /proc/kcore ro - devtmpfs udev rw
+31 22 254:0 /var/lib/fuse-device-plugin/broker /var/lib/fuse-device-plugin/broker rw \
+- ext4 /dev/vda rw
+32 22 0:40 / /mnt/with\\040space rw,nosuid,nodev - fuse.sshfs host:/ rw,user_id=0
 """
 
 
-def test_mountinfo_is_read_with_escapes_and_propagation() -> None:
-    entries = policy.mountinfo(MOUNTINFO)
-    assert [(e.mount_id, e.mountpoint, e.fstype, e.shared) for e in entries] == [
-        (22, "/", "ext4", True), (30, "/tmp", "tmpfs", False),
-        (31, "/mnt/with space", "fuse.sshfs", False), (32, "/mnt/s3", "fuse.s3fs", True),
-        (33, "/tmp/plain", "fuse", False), (34, "/proc/kcore", "devtmpfs", False)]
+def test_a_directory_is_known_by_its_filesystem_and_its_path_there() -> None:
+    entries = mountinfo.parse(TABLE)
+    assert [e.mountpoint for e in entries] == [
+        "/", "/tmp", "/var/lib/fuse-device-plugin/broker", "/mnt/with space"]
+    assert mountinfo.mark_of(Path("/var/lib/fuse-device-plugin/broker"), TABLE) == \
+        Mark("254:0", "/var/lib/fuse-device-plugin/broker")
+    assert mountinfo.mark_of(Path("/tmp/pytest/broker-dir"), TABLE) == \
+        Mark("0:30", "/pytest/broker-dir")
+    assert mountinfo.mark_of(Path("/srv/b"), TABLE) == Mark("254:0", "/srv/b")
 
 
-def test_fuse_mount_rules() -> None:
-    entries = policy.mountinfo(MOUNTINFO)
-    assert policy.fuse_mount_at("/mnt/s3", entries).mount_id == 32
-    with pytest.raises(Refused, match=re.escape("is not a FUSE mount (it is tmpfs)")):
-        policy.fuse_mount_at("/tmp", entries)
-    with pytest.raises(Refused, match=r"is not a FUSE mount$"):
-        policy.fuse_mount_at("/mnt/none", entries)
-    for inside in ("/mnt/s3", "/mnt/s3/deeper", "/tmp/plain/x"):
-        with pytest.raises(Refused, match="at or inside the FUSE mount"):
-            policy.inside_fuse(inside, entries)
-    policy.inside_fuse("/mnt/s3x", entries)  # a sibling, not inside
-    policy.room_for_another(entries, 4)
-    with pytest.raises(Refused, match=re.escape("already has 3 FUSE mounts")):
-        policy.room_for_another(entries, 3)
+def record(connection: int, inode: int, container: str = "/c", uid: int = 0) -> Record:
+    return Record(connection=connection, ctl_inode=inode, container=container, uid=uid,
+                  namespace=4026531840, mount_id=connection + 100, path="/mnt/x")
 
 
-def test_only_root_callers() -> None:
-    policy.caller(0)
-    with pytest.raises(Refused, match="uid 100000 on the node"):
-        policy.caller(100000)
+def test_records_count_what_the_kernel_still_holds(tmp_path: Path) -> None:
+    """A record lives exactly as long as its connection's fusectl directory, and a
+    re-used connection number (another inode) is not the broker's mount any more."""
+    fusectl = tmp_path / "connections"
+    for n in (40, 41, 42):
+        (fusectl / str(n)).mkdir(parents=True)
+    kept = Records(tmp_path / "state", fusectl)
+    kept.load()
+    for n in (40, 41, 42):
+        kept.add(record(n, (fusectl / str(n)).stat().st_ino, "/c" if n < 42 else "/d",
+                        uid=n))
+    assert (kept.held("/c"), kept.held("/d"), kept.total) == (2, 1, 3)
+    assert kept.owner(41) == Owner("/c", 41)
+    (fusectl / "41").rmdir()
+    (fusectl / "42").rmdir()
+    (fusectl / "42").mkdir()  # the number again: a new connection, not ours
+    assert kept.owner(42) is None
+    assert kept.held("/c") == 1
+    restarted = Records(tmp_path / "state", fusectl)
+    (tmp_path / "state" / "garbage.json").write_text("{not json")
+    assert restarted.load() == 1
+    assert restarted.owner(40) == Owner("/c", 40)
+    left = record(40, (fusectl / "40").stat().st_ino).name
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == [left]
+    assert oct((tmp_path / "state").stat().st_mode & 0o777) == "0o700"
 
 
-def test_unmount_target_is_the_topmost_mount() -> None:
-    stacked = [MountEntry(1, "/mnt/x", "fuse.a", False), MountEntry(2, "/mnt/x", "tmpfs", False)]
-    with pytest.raises(Refused, match=re.escape("(it is tmpfs)")):
-        policy.fuse_mount_at("/mnt/x", stacked)
-
-
-# -- the shim -----------------------------------------------------------------------------
+# -- the shim and the helper --------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -193,8 +327,9 @@ def shim() -> Path:
     return broker_rig.shim()
 
 
-def test_shim_is_small_and_static(shim: Path) -> None:
-    data = shim.read_bytes()
+@pytest.mark.parametrize("name", [protocol.SHIM_NAME, "fuse-broker-helper"])
+def test_the_native_programs_are_small_and_static(shim: Path, name: str) -> None:
+    data = (shim.parent / name).read_bytes()
     assert data[:4] == b"\x7fELF"
     assert len(data) < 100_000
     phoff, = struct.unpack_from("<Q", data, 0x20)
@@ -217,10 +352,6 @@ def run_shim(shim: Path, *args: str, env: dict[str, str] | None = None
     (("/tmp",), {}, "fusermount3: old style mounting not supported"),
     (("/nonexistent/x",), {"_FUSE_COMMFD": "3"},
      "fusermount3: bad mountpoint '/nonexistent/x': No such file or directory"),
-    (("-o", "rw", "/tmp"), {"_FUSE_COMMFD": "3", protocol.SOCKET_ENV: "/nonexistent/b.sock"},
-     "fusermount3: cannot reach the FUSE mount broker at /nonexistent/b.sock: No such file "
-     "or directory (broker mode needs the broker running on this node and the pod's "
-     "github.com/fuse allocation)"),
     (("-u", "/tmp/x"), {protocol.SOCKET_ENV: "/nonexistent/b.sock"},
      "fusermount3: cannot reach the FUSE mount broker at /nonexistent/b.sock"),
 ])
@@ -230,6 +361,25 @@ def test_shim_errors_are_one_line_and_exit_1(shim: Path, args: tuple[str, ...],
     assert result.returncode == 1
     assert result.stderr.startswith(message)
     assert len(result.stderr.splitlines()) == 1
+
+
+def test_shim_says_why_it_cannot_open_dev_fuse(shim: Path, tmp_path: Path) -> None:
+    """A uid that may not open /dev/fuse (a 0600 node, as on a node without udev, seen
+    by a non-root or user-namespaced pod) gets the line the README's error table lists.
+    The node's own /dev/fuse is left alone: a private mount namespace covers it with a
+    root-owned 0600 file."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: covers /dev/fuse in a mount namespace of its own")
+    private = tmp_path / "fuse-0600"
+    private.touch(mode=0o600)
+    result = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"mount --bind {private} /dev/fuse && exec setpriv --reuid=65534 --regid=65534 "
+         f"--clear-groups {shim} -o rw /tmp"],
+        env={"_FUSE_COMMFD": "3", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+        timeout=10, check=False)
+    assert (result.returncode, result.stderr) == (
+        1, "fusermount3: failed to open /dev/fuse: Permission denied\n")
 
 
 def test_shim_quiet_unmount_says_nothing(shim: Path) -> None:
@@ -248,22 +398,53 @@ def test_shim_takes_its_name_from_argv0_and_prints_a_version(shim: Path,
     assert "fuse-device-plugin broker shim" in version.stdout
 
 
-def test_shim_relays_the_broker_refusal(shim: Path, tmp_path: Path) -> None:
-    """A socket that answers as a refusing broker: the shim prints its message."""
+def _fake_broker(path: Path) -> socket.socket:
+    server_sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server_sock.bind(str(path))
+    server_sock.listen(1)
+    return server_sock
+
+
+def test_shim_names_its_own_dev_fuse_and_relays_the_refusal(shim: Path,
+                                                            tmp_path: Path) -> None:
+    """A socket that answers as a refusing broker: the request names the fd the shim
+    opened (no descriptor crosses the socket), and the shim prints the message."""
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        pytest.skip("needs /dev/fuse that this user may open")
     path = tmp_path / "b.sock"
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as server:
-        server.bind(str(path))
-        server.listen(1)
+    with _fake_broker(path) as fake:
         proc = subprocess.Popen([str(shim), "-o", "rw,suid", str(tmp_path)],
                                 env={"_FUSE_COMMFD": "3", protocol.SOCKET_ENV: str(path)},
                                 stderr=subprocess.PIPE, text=True)
-        conn, _ = server.accept()
+        conn, _ = fake.accept()
         with conn:
-            request = protocol.parse_request(conn.recv(protocol.MAX_MESSAGE))
+            data, fds, flags, _ = socket.recv_fds(conn, protocol.MAX_MESSAGE, 4)
+            request = protocol.parse_request(data)
+            fd_target = os.readlink(f"/proc/{proc.pid}/fd/{request.fuse_fd}")
             conn.send(protocol.encode(status="error", message="broker refused: no"))
         _, err = proc.communicate(timeout=10)
-    assert request == protocol.Request(op="mount", path=str(tmp_path), options="rw,suid")
+    assert (fds, flags & socket.MSG_CTRUNC) == ([], 0)
+    assert request.op == "mount"
+    assert request.path == str(tmp_path)
+    assert request.options == "rw,suid"
+    assert fd_target == "/dev/fuse"
     assert (proc.returncode, err) == (1, "fusermount3: broker refused: no\n")
+
+
+def test_shim_reads_a_refusal_given_before_its_request_arrived(shim: Path,
+                                                               tmp_path: Path) -> None:
+    """A busy broker answers at accept and closes: the shim's send then fails, and the
+    answer is still what the user sees."""
+    path = tmp_path / "b.sock"
+    with _fake_broker(path) as fake:
+        proc = subprocess.Popen([str(shim), "-u", str(tmp_path / "x")],
+                                env={protocol.SOCKET_ENV: str(path)},
+                                stderr=subprocess.PIPE, text=True)
+        conn, _ = fake.accept()
+        server._answer(conn, protocol.encode(status="error",
+                                             message="broker refused: busy"))
+        _, err = proc.communicate(timeout=10)
+    assert (proc.returncode, err) == (1, "fusermount3: broker refused: busy\n")
 
 
 # -- the broker process -------------------------------------------------------------------
@@ -271,19 +452,23 @@ def test_shim_relays_the_broker_refusal(shim: Path, tmp_path: Path) -> None:
 
 def broker_command(tmp_path: Path, shim: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "fuse_plugin", "broker", "--dir", str(tmp_path / "dir"),
-            "--shim", str(shim), "--staging-dir", str(tmp_path / "staging"), *extra]
+            "--shim", str(shim), "--state-dir", str(tmp_path / "state"), *extra]
 
 
 @pytest.mark.parametrize(("extra", "message"), [
     (("--max-mounts", "0"), "--max-mounts: must be a whole number from 1 to 10000"),
+    (("--max-mounts", " 5"), "--max-mounts: must be a whole number from 1 to 10000"),
+    (("--max-mounts-node", "+5"), "--max-mounts-node: must be a whole number"),
     (("--dir", "relative"), "--dir: must be an absolute path"),
-    (("--fusermount", "/nonexistent/fusermount3"),
-     "--fusermount /nonexistent/fusermount3 is not an executable file"),
-    (("--fusermount", "SHIM"), "is the broker's own shim; point it at the real fusermount3"),
+    (("--state-dir", "relative"), "--state-dir: must be an absolute path"),
+    (("--allow-other", "maybe"), "--allow-other"),
+    (("--shim", "/nonexistent/fusermount3"),
+     "--shim /nonexistent/fusermount3 is not an executable file"),
+    (("--shim", "/bin/true"), "fuse-broker-helper (beside --shim) /bin/fuse-broker-helper "
+                              "is not an executable file"),
 ])
 def test_broker_bad_flags_exit_2_with_one_line(shim: Path, tmp_path: Path,
                                                extra: tuple[str, ...], message: str) -> None:
-    extra = tuple(a.replace("SHIM", str(shim)) for a in extra)
     result = subprocess.run(broker_command(tmp_path, shim, *extra), capture_output=True,
                             text=True, timeout=30, check=False)
     assert result.returncode == 2
@@ -291,10 +476,14 @@ def test_broker_bad_flags_exit_2_with_one_line(shim: Path, tmp_path: Path,
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_broker_starts_installs_the_shim_stops_and_replaces_a_stale_socket(
-        shim: Path, tmp_path: Path) -> None:
+@pytest.fixture
+def root() -> None:
     if os.geteuid() != 0:
-        pytest.skip("needs root: the broker makes a private mount namespace")
+        pytest.skip("needs root: the broker reads other processes' namespaces")
+
+
+def test_broker_starts_installs_the_shim_stops_and_replaces_a_stale_socket(
+        root: None, shim: Path, tmp_path: Path) -> None:
     first = broker_rig.BrokerProcess(tmp_path / "dir", tmp_path / "one", shim).start()
     installed = tmp_path / "dir" / protocol.SHIM_NAME
     assert installed.read_bytes() == shim.read_bytes()
@@ -314,19 +503,198 @@ def test_broker_starts_installs_the_shim_stops_and_replaces_a_stale_socket(
     assert [e["event"] for e in again.events()] == ["broker.serving", "signal", "stopped"]
 
 
+def test_a_node_where_the_runtime_made_a_directory_of_the_shim_recovers(
+        shim: Path, tmp_path: Path) -> None:
+    """A container that started before the shim existed left an empty directory at the
+    bind source (the runtime creates a missing source as one), and an interrupted
+    install a temp file: the next install removes both. An identical shim is kept (the
+    very file containers bind)."""
+    (tmp_path / protocol.SHIM_NAME).mkdir()
+    (tmp_path / f".{protocol.SHIM_NAME}.x1y2.tmp").write_bytes(b"half")
+    installed = install_shim(tmp_path, shim.read_bytes())
+    assert installed.read_bytes() == shim.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [protocol.SHIM_NAME]
+    inode = installed.stat().st_ino
+    assert install_shim(tmp_path, shim.read_bytes()).stat().st_ino == inode
+
+
+def test_the_socket_refuses_descriptors(root: None, shim: Path, tmp_path: Path) -> None:
+    """SO_PASSRIGHTS (Linux 6.16): a client that attaches a descriptor fails in its own
+    sendmsg, so the broker never holds a reference to a tenant's file."""
+    broker = broker_rig.BrokerProcess(tmp_path / "dir", tmp_path / "b", shim).start()
+    try:
+        if not broker.events("broker.serving")[0]["refuses_descriptors"]:
+            pytest.skip("this kernel has no SO_PASSRIGHTS (Linux 6.16+)")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock, \
+                open("/dev/null") as null:
+            sock.connect(str(broker.socket))
+            with pytest.raises(PermissionError):
+                socket.send_fds(sock, [protocol.encode(v="2", op="unmount", path="/x")],
+                                [null.fileno()])
+    finally:
+        broker.stop()
+
+
+def test_a_caller_gets_its_share_of_connections_and_no_more(root: None, shim: Path,
+                                                            tmp_path: Path) -> None:
+    """Silent connections from one container (here: this test's cgroup) take only its
+    own share: the next one is answered at once, and logged once, not per connection."""
+    broker = broker_rig.BrokerProcess(tmp_path / "dir", tmp_path / "b", shim).start()
+    held: list[socket.socket] = []
+    try:
+        for _ in range(server.PER_CONTAINER):
+            held.append(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+            held[-1].connect(str(broker.socket))
+        answers = []
+        for _ in range(20):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as extra:
+                extra.connect(str(broker.socket))
+                answers.append(protocol.decode(extra.recv(protocol.MAX_MESSAGE)))
+        assert {a["message"] for a in answers} == {
+            f"broker refused: this container has {server.PER_CONTAINER} requests open, "
+            "the most it may; try again"}
+        [line] = [e for e in broker.events("broker.refused") if e.get("kind") == "busy"]
+        assert line["connections"] >= 1
+    finally:
+        for sock in held:
+            sock.close()
+        broker.stop()
+
+
+def test_a_request_from_outside_any_container_is_refused(root: None, shim: Path,
+                                                         tmp_path: Path) -> None:
+    """A node process (this test) with its own /dev/fuse and a real directory: its
+    namespace has no bind of the broker's directory, so Allocate never gave it broker
+    mode, and nothing is mounted."""
+    broker = broker_rig.BrokerProcess(tmp_path / "dir", tmp_path / "b", shim).start()
+    (tmp_path / "mnt").mkdir()
+    fuse = os.open("/dev/fuse", os.O_RDWR)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.connect(str(broker.socket))
+            sock.send(protocol.encode(v="2", op="mount", path=str(tmp_path / "mnt"),
+                                      fuse_fd=fuse))
+            answer = protocol.decode(sock.recv(protocol.MAX_MESSAGE))
+    finally:
+        os.close(fuse)
+        broker.stop()
+    assert "was not given broker mode" in answer["message"]
+    assert not os.path.ismount(tmp_path / "mnt")
+
+
+def test_a_helper_past_its_deadline_is_killed_and_the_caller_told(
+        root: None, shim: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A helper that never answers (here a stand-in that sleeps) is killed at the
+    deadline, the caller gets a reason, and the loop goes on."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / protocol.SHIM_NAME).write_bytes(shim.read_bytes())
+    (bin_dir / "fuse-broker-helper").write_text("#!/bin/sh\nexec sleep 600\n")
+    for program in bin_dir.iterdir():
+        program.chmod(0o755)
+    monkeypatch.setattr(server, "HELPER_DEADLINE", 0.3)
+    broker = Broker(BrokerSettings(directory=tmp_path / "dir", state=tmp_path / "state",
+                                   shim=bin_dir / protocol.SHIM_NAME),
+                    logging.getLogger("test"))
+    broker.start()
+    loop = threading.Thread(target=broker.run, name="broker")
+    loop.start()
+    try:
+        fuse = os.open("/dev/fuse", os.O_RDWR)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.connect(str(broker.socket_path))
+            sock.send(protocol.encode(v="2", op="mount", path=str(tmp_path), fuse_fd=fuse))
+            answer = protocol.decode(sock.recv(protocol.MAX_MESSAGE))
+        os.close(fuse)
+    finally:
+        broker.stop()
+        loop.join(10)
+        signal.set_wakeup_fd(-1)  # start() armed it in this (the main) thread
+    assert "did not finish within 0.3s" in answer["message"]
+    assert broker.stats.snapshot().stalled == 1
+    assert not loop.is_alive()
+
+
+# epoll_wait and epoll_pwait on x86-64 and arm64 (asm-generic has only epoll_pwait).
+EPOLL_WAITS = {"232", "281", "22"}
+
+
+def test_stop_from_another_thread_wakes_a_waiting_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM's handler stops the broker from a thread of its own, which can come after
+    the loop went back to waiting: the loop must wake, not sleep out its turn (CI once
+    caught a broker that had not exited 10 s after SIGTERM)."""
+    monkeypatch.setattr(server, "TURN", 60.0)
+    broker = Broker(BrokerSettings(directory=tmp_path), logging.getLogger("test"))
+    loop = threading.Thread(target=broker.run, name="broker")
+    loop.start()
+    waiting = threading.Event()
+    for _ in range(1000):  # until the loop sits in epoll, a few ms; bounded
+        syscall = Path(f"/proc/self/task/{loop.native_id}/syscall").read_text().split()
+        if syscall and syscall[0] in EPOLL_WAITS:
+            waiting.set()
+            break
+        threading.Event().wait(0.005)
+    assert waiting.is_set(), "the broker's loop never waited in epoll"
+    broker.stop()
+    loop.join(10)
+    assert not loop.is_alive()
+
+
+def test_broker_command_imports_no_more_than_the_standard_library() -> None:
+    """The broker runs from a plain python3 (the AppArmor guest has no venv): parsing its
+    command line must not pull in watchdog, grpc or the profile modules."""
+    code = ("import sys; from fuse_plugin import cli; "
+            "cli.build_parser(all_flags=False, broker_flags=True).parse_args(['broker']); "
+            "from fuse_plugin.broker import server; "
+            "print(sorted(m for m in ('watchdog', 'grpc', 'fuse_plugin.profiles', "
+            "'fuse_plugin.doctor', 'google.protobuf') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=30, check=True)
+    assert result.stdout.strip() == "[]"
+
+
 # -- the plugin's side --------------------------------------------------------------------
 
 
 def test_serve_with_broker_dir_binds_the_socket_dir_and_shim(
-        kubelet: KubeletStandIn, start_plugin: StartPlugin) -> None:
-    start_plugin("--broker-dir", "/var/lib/fuse-device-plugin/broker")
+        kubelet: KubeletStandIn, start_plugin: StartPlugin, tmp_path: Path) -> None:
+    broker_dir = tmp_path / "broker"
+    broker_dir.mkdir()
+    (broker_dir / protocol.SHIM_NAME).write_bytes(b"shim")
+    start_plugin("--broker-dir", str(broker_dir))
     kubelet.wait_registered()
     [container] = kubelet.allocate(RESOURCE, [["fuse-0"]]).container_responses
     assert len(container.devices) == 1
     assert [(m.container_path, m.host_path, m.read_only) for m in container.mounts] == [
-        ("/run/fuse-broker", "/var/lib/fuse-device-plugin/broker", True),
-        *((target, "/var/lib/fuse-device-plugin/broker/fusermount3", True)
+        ("/run/fuse-broker", str(broker_dir), True),
+        *((target, str(broker_dir / protocol.SHIM_NAME), True)
           for target in protocol.SHIM_TARGETS)]
+
+
+def test_in_broker_mode_slots_are_healthy_only_while_the_shim_is_installed(
+        kubelet: KubeletStandIn, start_plugin: StartPlugin, tmp_path: Path) -> None:
+    """A bind whose source is missing makes the runtime create a directory there and
+    fail the container: until the broker has installed its shim, the node offers no
+    slot; a shim replaced by a directory takes them away again."""
+    broker_dir = tmp_path / "broker"
+    broker_dir.mkdir()
+    plugin = start_plugin("--broker-dir", str(broker_dir))
+    kubelet.wait_registered()
+
+    def health(wanted: str) -> None:
+        assert kubelet.wait_devices(RESOURCE, lambda d: set(d.values()) == {wanted}), \
+            plugin.log
+
+    health("Unhealthy")
+    assert "the broker has not installed its shim" in plugin.log
+    shim = broker_dir / protocol.SHIM_NAME
+    shim.write_bytes(b"shim")
+    health("Healthy")
+    shim.unlink()
+    shim.mkdir()
+    health("Unhealthy")
+    assert wait_until(plugin.log_path.parent, lambda: "is not a regular file" in plugin.log)
 
 
 def test_serve_without_broker_dir_adds_no_mount(kubelet: KubeletStandIn,
@@ -350,54 +718,3 @@ def test_bad_broker_dir_exits_2(env: dict[str, str], args: list[str], message: s
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
-
-def test_broker_command_imports_no_more_than_the_standard_library() -> None:
-    """The broker runs from a plain python3 (the AppArmor guest has no venv): parsing its
-    command line must not pull in watchdog, grpc or the profile modules."""
-    code = ("import sys; from fuse_plugin import cli; "
-            "cli.build_parser(all_flags=False, broker_flags=True).parse_args(['broker']); "
-            "from fuse_plugin.broker import server; "
-            "print(sorted(m for m in ('watchdog', 'grpc', 'fuse_plugin.profiles', "
-            "'fuse_plugin.doctor', 'google.protobuf') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=30, check=True)
-    assert result.stdout.strip() == "[]"
-
-
-def test_a_helper_past_its_deadline_is_killed_and_reaped_later(tmp_path: Path) -> None:
-    from fuse_plugin.broker.mounts import Mounter, MountFailed
-    from tests.containers.workloads import wait_for
-
-    mounter = Mounter(Path("/usr/bin/fusermount3"), Path("/bin/false"), tmp_path,
-                      timeout=0.2)
-    with pytest.raises(MountFailed, match=r"^slow helper did not finish within 0.2s$"):
-        mounter._run(["sleep", "30"], "slow helper", (), {})
-    wait_for(lambda: mounter.reap() == 0, 10, "the killed helper to be reaped")
-    with pytest.raises(MountFailed, match=r"^the step said no$"):
-        mounter._run(["sh", "-c", "echo noise >&2; echo 'the step said no' >&2; exit 3"],
-                     "step", (), {"PATH": "/usr/bin:/bin"})
-
-
-# epoll_wait and epoll_pwait on x86-64 and arm64 (asm-generic has only epoll_pwait).
-EPOLL_WAITS = {"232", "281", "22"}
-
-
-def test_stop_from_another_thread_wakes_a_waiting_loop(tmp_path: Path) -> None:
-    """SIGTERM's handler stops the broker from a thread of its own, which can come after
-    the loop went back to waiting: the loop must wake, not sleep out its minute (CI once
-    caught a broker that had not exited 10 s after SIGTERM)."""
-    broker = Broker(BrokerSettings(directory=tmp_path, staging=tmp_path / "staging"),
-                    logging.getLogger("test"))
-    loop = threading.Thread(target=broker.run, name="broker")
-    loop.start()
-    waiting = threading.Event()
-    for _ in range(1000):  # until the loop sits in epoll, a few ms; bounded
-        syscall = Path(f"/proc/self/task/{loop.native_id}/syscall").read_text().split()
-        if syscall and syscall[0] in EPOLL_WAITS:
-            waiting.set()
-            break
-        threading.Event().wait(0.005)
-    assert waiting.is_set(), "the broker's loop never waited in epoll"
-    broker.stop()
-    loop.join(10)
-    assert not loop.is_alive()

@@ -6,18 +6,22 @@
  * libfuse (or a Go FUSE library) then runs it as
  *
  *     fusermount3 [-o OPTIONS] [--] MOUNTPOINT        with _FUSE_COMMFD=N
+ *     fusermount3 [-o OPTIONS] [--] MOUNTPOINT        with _FUSE_DEVFD=N (glusterfs)
  *     fusermount3 -u [-q] [-z] [--] MOUNTPOINT
  *
- * Instead of mounting, it asks the node's broker over a unix socket. The broker checks
- * the request, mounts, and returns the /dev/fuse fd, which this program hands to
- * libfuse over _FUSE_COMMFD as real fusermount3 does. See docs/broker.md for the
- * protocol and why the broker, not this program, is what is trusted.
+ * Instead of mounting, it opens /dev/fuse itself (which only a container that Allocate
+ * gave the device can do), asks the node's broker over a unix socket to mount it, naming
+ * the fd, and once the broker says ok hands that fd to libfuse over _FUSE_COMMFD as real
+ * fusermount3 does. The broker takes the fd from this process (pidfd_getfd); nothing
+ * travels over the socket but text. See docs/broker.md for the protocol and why the
+ * broker, not this program, is what is trusted.
  *
  * Static and dependency-free (musl), because it runs in arbitrary images. Every error is
  * one line on stderr and exit status 1.
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <getopt.h>
 #include <limits.h>
 #include <signal.h>
@@ -34,7 +38,9 @@
 #define BROKER_SOCKET "/run/fuse-broker/broker.sock"
 #define SOCKET_ENV "FUSE_BROKER_SOCKET"
 #define COMMFD_ENV "_FUSE_COMMFD"
-#define PROTOCOL_VERSION "1"
+#define DEVFD_ENV "_FUSE_DEVFD"
+#define PROTOCOL_VERSION "2"
+#define FUSE_DEVICE "/dev/fuse"
 #define MAX_MESSAGE 16384
 #define REPLY_TIMEOUT_SECONDS 60
 
@@ -122,19 +128,14 @@ static void resolve(const char *mountpoint, int whole, char *out)
 		fail("mountpoint path too long");
 }
 
-/* One request, one reply; returns the fd the reply carried, or -1. */
-static int ask_broker(const char *request, size_t len, char *reply, size_t *reply_len)
+/* One request, one reply (text only). */
+static void ask_broker(const char *request, size_t len, char *reply, size_t *reply_len)
 {
 	const char *path = getenv(SOCKET_ENV) ? getenv(SOCKET_ENV) : BROKER_SOCKET;
 	struct sockaddr_un addr = { .sun_family = AF_UNIX };
 	struct timeval timeout = { .tv_sec = REPLY_TIMEOUT_SECONDS };
-	char control[CMSG_SPACE(sizeof(int))];
-	struct iovec iov = { .iov_base = reply, .iov_len = MAX_MESSAGE - 1 };
-	struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1,
-			      .msg_control = control, .msg_controllen = sizeof(control) };
-	struct cmsghdr *cmsg;
 	ssize_t n;
-	int sock, fd = -1;
+	int sock;
 
 	if (strlen(path) >= sizeof(addr.sun_path))
 		fail("broker socket path too long: %s", path);
@@ -147,48 +148,45 @@ static int ask_broker(const char *request, size_t len, char *reply, size_t *repl
 		     "broker running on this node and the pod's github.com/fuse allocation)",
 		     path, strerror(errno));
 	setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-	if (send(sock, request, len, MSG_NOSIGNAL) != (ssize_t)len)
+	/* A broker that refuses at once (busy) has answered and closed before the request
+	 * arrives: the send fails, and the answer is still there to read. */
+	if (send(sock, request, len, MSG_NOSIGNAL) != (ssize_t)len && errno != EPIPE)
 		fail("sending to the FUSE mount broker: %s", strerror(errno));
-	n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+	n = recv(sock, reply, MAX_MESSAGE - 1, 0);
 	if (n <= 0)
 		fail("the FUSE mount broker %s", n == 0 ? "closed the connection (restarting?)"
 						       : strerror(errno));
 	reply[n] = '\0';
 	*reply_len = (size_t)n;
-	for (cmsg = CMSG_FIRSTHDR(&msg); cmsg; cmsg = CMSG_NXTHDR(&msg, cmsg))
-		if (cmsg->cmsg_level == SOL_SOCKET && cmsg->cmsg_type == SCM_RIGHTS)
-			memcpy(&fd, CMSG_DATA(cmsg), sizeof(fd));
 	close(sock);
-	return fd;
 }
 
 /* Sends the request and exits with the broker's message unless it says ok. */
-static int request(const char *op, const char *path, const char *options,
-		   const char *flags, const char *mount_id, char *reply, size_t *reply_len)
+static void request(const char *op, const char *path, const char *options, int fuse_fd,
+		    const char *flags, const char *mount_id, char *reply, size_t *reply_len)
 {
-	char buf[MAX_MESSAGE];
+	char buf[MAX_MESSAGE], number[16];
 	size_t len = 0;
 	const char *status, *message;
-	int fd;
 
 	add_field(buf, &len, "v", PROTOCOL_VERSION);
 	add_field(buf, &len, "op", op);
 	add_field(buf, &len, "path", path);
 	if (options)
 		add_field(buf, &len, "options", options);
+	if (fuse_fd != -1) {
+		snprintf(number, sizeof(number), "%d", fuse_fd);
+		add_field(buf, &len, "fuse_fd", number);
+	}
 	if (flags && *flags)
 		add_field(buf, &len, "flags", flags);
 	if (mount_id)
 		add_field(buf, &len, "mount_id", mount_id);
-	fd = ask_broker(buf, len, reply, reply_len);
+	ask_broker(buf, len, reply, reply_len);
 	status = field(reply, *reply_len, "status");
 	message = field(reply, *reply_len, "message");
-	if (!status || strcmp(status, "ok") != 0) {
-		if (fd != -1)
-			close(fd);
+	if (!status || strcmp(status, "ok") != 0)
 		fail("%s", message ? message : "the FUSE mount broker gave no answer");
-	}
-	return fd;
 }
 
 /* As fusermount3 does: one byte of payload, the fd in SCM_RIGHTS. */
@@ -267,7 +265,7 @@ static void watch_and_unmount(int commfd, const char *path, const char *mount_id
 		n = recv(commfd, buf, sizeof(buf), 0);
 	while (n > 0 || (n == -1 && errno == EINTR));
 	quiet = 1;
-	request("unmount", path, NULL, "lazy,auto", mount_id, reply, &reply_len);
+	request("unmount", path, NULL, -1, "lazy,auto", mount_id, reply, &reply_len);
 }
 
 static void usage(void)
@@ -296,7 +294,7 @@ int main(int argc, char *argv[])
 		{ NULL, 0, NULL, 0 },
 	};
 	char path[PATH_MAX], reply[MAX_MESSAGE], options[MAX_MESSAGE] = "";
-	const char *commfd_text, *mount_id;
+	const char *commfd_text, *devfd_text, *mount_id;
 	size_t reply_len;
 	int ch, unmount = 0, lazy = 0, automatic, commfd, fd;
 
@@ -337,7 +335,15 @@ int main(int argc, char *argv[])
 	resolve(argv[optind], !unmount, path);
 
 	if (unmount) {
-		request("unmount", path, NULL, lazy ? "lazy" : "", NULL, reply, &reply_len);
+		request("unmount", path, NULL, -1, lazy ? "lazy" : "", NULL, reply, &reply_len);
+		return 0;
+	}
+	/* glusterfs's helper protocol: the caller opened /dev/fuse and passes it in; the
+	 * mount is made with it and only the exit status is read. */
+	devfd_text = getenv(DEVFD_ENV);
+	if (devfd_text) {
+		take_auto_unmount(options);
+		request("mount", path, options, atoi(devfd_text), "", NULL, reply, &reply_len);
 		return 0;
 	}
 	commfd_text = getenv(COMMFD_ENV);
@@ -345,9 +351,11 @@ int main(int argc, char *argv[])
 		fail("old style mounting not supported");
 	commfd = atoi(commfd_text);
 	automatic = take_auto_unmount(options);
-	fd = request("mount", path, options, "", NULL, reply, &reply_len);
+	/* As real fusermount3 does: the caller's own open of the device. */
+	fd = open(FUSE_DEVICE, O_RDWR | O_CLOEXEC);
 	if (fd == -1)
-		fail("the FUSE mount broker sent no file descriptor");
+		fail("failed to open %s: %s", FUSE_DEVICE, strerror(errno));
+	request("mount", path, options, fd, "", NULL, reply, &reply_len);
 	send_fd(commfd, fd);
 	close(fd);
 	if (automatic) {

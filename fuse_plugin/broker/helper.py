@@ -1,0 +1,118 @@
+"""One request's helper process (``native/helper.c``), seen from the broker's loop.
+
+The helper does every step that touches the caller's objects: it takes the caller's
+/dev/fuse fd, enters the caller's namespaces, resolves the path, reports the facts, and
+after the broker's verdict mounts or unmounts. The loop never waits for it: it talks to
+it over a non-blocking ``SOCK_SEQPACKET`` pair and learns that it exited from its pidfd,
+both in the loop's selector. A helper past its deadline is killed; one that does not die
+(a process stuck in the kernel on a tenant's FUSE daemon) is left to the loop, which may
+abort that tenant's FUSE connections to free it.
+
+Spawning a small static program costs a fraction of a millisecond (vfork + exec); a
+fork of the Python broker would cost more and would not be single-threaded, which
+``setns`` into a mount namespace requires.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fuse_plugin.broker import policy, protocol
+from fuse_plugin.broker.caller import Caller
+
+NAME = "fuse-broker-helper"
+
+
+class HelperFailed(Exception):
+    """The helper, or the kernel through it, said no; one line for the caller."""
+
+
+@dataclass
+class Job:
+    """A running helper and the request it serves."""
+
+    proc: subprocess.Popen[bytes]
+    ctl: socket.socket
+    pidfd: int
+    deadline: float
+    killed_at: float | None = None
+    aborted: bool = False
+
+    @classmethod
+    def start(cls, program: Path, caller: Caller, request: protocol.Request, check: bool,
+              deadline: float) -> Job:
+        """Spawn the helper for ``request`` and send it; ``OSError`` if it cannot run."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            fds = [theirs.fileno(), caller.pidfd, caller.mnt_ns]
+            if caller.user_ns != -1:
+                fds.append(caller.user_ns)
+            proc = subprocess.Popen([str(program), *map(str, fds)], pass_fds=fds, env={},
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        pidfd = os.pidfd_open(proc.pid)  # not reaped yet, so it is this process
+        ours.setblocking(False)
+        job = cls(proc, ours, pidfd, deadline)
+        job.send(op=request.op, path=request.path, fuse_fd=request.fuse_fd,
+                 uid=caller.uid, gid=caller.gid,
+                 groups=",".join(map(str, caller.groups)), check=int(check),
+                 nowalk=",".join(policy.NO_WALK))
+        return job
+
+    def send(self, **fields: object) -> None:
+        with contextlib.suppress(OSError):  # a helper that died is seen on its pidfd
+            self.ctl.send(protocol.encode(**fields))
+
+    def receive(self) -> dict[str, str] | None:
+        """The helper's next message; None when it has nothing to say now."""
+        try:
+            data = self.ctl.recv(protocol.MAX_MESSAGE)
+        except BlockingIOError:
+            return None
+        except OSError:
+            data = b""
+        if not data:
+            return {"status": "exited"}
+        try:
+            return protocol.decode(data)
+        except protocol.BadRequest as bad:
+            return {"status": "failed", "message": f"the helper said nonsense ({bad})"}
+
+    def kill(self) -> None:
+        """SIGKILL at the deadline; the loop keeps the job until its pidfd says it died."""
+        if self.killed_at is None:
+            self.killed_at = time.monotonic()
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
+    def exited(self) -> bool:
+        return self.proc.poll() is not None
+
+    def close(self) -> None:
+        self.ctl.close()
+        os.close(self.pidfd)
+        self.proc.poll()
+
+
+def outcome(message: dict[str, str]) -> None:
+    """Raise the refusal or failure a helper's message reports, if it reports one."""
+    status = message.get("status")
+    text = message.get("message", "")
+    if status == "refused":
+        raise policy.Refused(text, "path")
+    if status == "failed":
+        raise HelperFailed(text)
+    if status == "exited":
+        raise HelperFailed("the broker's helper exited without an answer")

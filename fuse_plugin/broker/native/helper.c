@@ -1,0 +1,735 @@
+/*
+ * fuse-broker-helper: the broker's hands inside one caller's namespaces.
+ *
+ *     fuse-broker-helper CTLFD PIDFD MNTNSFD [USERNSFD]
+ *
+ * The broker (fuse_plugin/broker/helper.py) starts one per request and never waits for
+ * it: everything that touches a tenant's objects happens here, in a process the broker
+ * can kill at its deadline. The fds are inherited: a SOCK_SEQPACKET control socket, a
+ * pidfd of the caller, the caller's mount namespace and, for a caller in a user
+ * namespace of its own, that namespace.
+ *
+ * The conversation (messages of NUL-terminated key=value fields, as protocol.py):
+ *   broker: the request   op=mount|unmount path= fuse_fd= uid= gid= groups= check=
+ *                         nowalk=  (mount types never to look inside, "fuse." = prefix)
+ *   helper: the mark      the mount at /run/fuse-broker (Allocate's bind), if any
+ *   broker:               go=0 (not a broker-mode container) or go=1
+ *   helper: the facts     what the kernel says about the target, or a refusal
+ *   broker: the verdict   go=0, or go=1 with the mount's parameters
+ *   helper: the result    the new mount's id, connection and line, or failed=
+ *
+ * Nothing here decides policy (policy.py does, from the facts). What this program
+ * guarantees itself: paths are resolved from the root of the caller's mount namespace
+ * (setns sets it), never from the caller's root or cwd; one component at a time,
+ * without symlinks, and never inside a mount whose type is in nowalk (a FUSE daemon
+ * can stall any lookup); a non-root caller's walk runs with its own uid, gid and
+ * groups and without the capabilities that bypass permissions; the /dev/fuse fd is
+ * taken from the caller (pidfd_getfd) and must be the FUSE device, so the mount
+ * proves the caller may open /dev/fuse; the mount is built with the new mount API
+ * (fsopen in the caller's user namespace, so the superblock belongs to it) and its
+ * flags are read back from the mount table and undone if they are not what was asked.
+ *
+ * Static (musl): it runs with the broker's privileges and loads nothing.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/fsuid.h>
+#include <sys/mount.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+#define MAX_MESSAGE 16384
+#define MAX_TABLE (8 << 20)
+#define MAX_GROUPS 256
+#define MAX_PATH 4096
+
+/* The new mount API and friends (uapi values; one number on every architecture). */
+#define SYS_move_mount_ 429
+#define SYS_fsopen_ 430
+#define SYS_fsconfig_ 431
+#define SYS_fsmount_ 432
+#define SYS_openat2_ 437
+#define SYS_pidfd_getfd_ 438
+#define SYS_faccessat2_ 439
+#define FSOPEN_CLOEXEC 0x1
+#define FSCONFIG_SET_FLAG 0
+#define FSCONFIG_SET_STRING 1
+#define FSCONFIG_CMD_CREATE 6
+#define FSMOUNT_CLOEXEC 0x1
+#define MOUNT_ATTR_RDONLY 0x1
+#define MOUNT_ATTR_NOSUID 0x2
+#define MOUNT_ATTR_NODEV 0x4
+#define MOUNT_ATTR_NOEXEC 0x8
+#define MOUNT_ATTR_NOATIME 0x10
+#define MOVE_MOUNT_F_EMPTY_PATH 0x4
+#define MOVE_MOUNT_T_EMPTY_PATH 0x40
+#define RESOLVE_NO_MAGICLINKS 0x2
+#define RESOLVE_NO_SYMLINKS 0x4
+#define RESOLVE_BENEATH 0x8
+#define AT_STATX_DONT_SYNC 0x4000
+#define STATX_TYPE 0x1
+#define STATX_MODE 0x2
+#define STATX_UID 0x8
+#define STATX_MNT_ID 0x1000
+#define STATX_ATTR_MOUNT_ROOT 0x2000
+#define UMOUNT_NOFOLLOW_ 0x8
+#define FUSE_MAJOR 10
+#define FUSE_MINOR 229
+#define CAP_DAC_OVERRIDE 1
+#define CAP_DAC_READ_SEARCH 2
+#define CAP_FOWNER 3
+
+struct open_how_ {
+	uint64_t flags, mode, resolve;
+};
+
+struct statx_ts {
+	int64_t tv_sec;
+	uint32_t tv_nsec, pad;
+};
+
+struct statx_ {
+	uint32_t stx_mask, stx_blksize;
+	uint64_t stx_attributes;
+	uint32_t stx_nlink, stx_uid, stx_gid;
+	uint16_t stx_mode, pad1;
+	uint64_t stx_ino, stx_size, stx_blocks, stx_attributes_mask;
+	struct statx_ts stx_atime, stx_btime, stx_ctime, stx_mtime;
+	uint32_t stx_rdev_major, stx_rdev_minor, stx_dev_major, stx_dev_minor;
+	uint64_t stx_mnt_id;
+	uint64_t spare[13];
+};
+
+struct cap_header {
+	uint32_t version;
+	int pid;
+};
+
+struct cap_data {
+	uint32_t effective, permitted, inheritable;
+};
+
+struct fields {
+	int count;
+	char *key[64];
+	char *value[64];
+};
+
+/* One line of mountinfo, the parts the broker judges by. */
+struct mount {
+	unsigned long id;
+	char *dev, *root, *point, *options, *fstype, *super;
+};
+
+struct table {
+	char *text;
+	int count;
+	struct mount *mounts;
+};
+
+static int ctl = -1;
+
+/* Sends one message of the given key, value pairs (NULL-terminated list); exits on
+ * failure: a broker that stopped listening has given up on this request. */
+static void say(const char *key, ...)
+{
+	char buf[MAX_MESSAGE];
+	size_t len = 0;
+	va_list args;
+
+	va_start(args, key);
+	for (; key; key = va_arg(args, const char *)) {
+		const char *value = va_arg(args, const char *);
+		int n = snprintf(buf + len, sizeof(buf) - len, "%s=%s", key, value ? value : "");
+		if (n < 0 || (size_t)n + 1 > sizeof(buf) - len)
+			break;
+		len += (size_t)n + 1;
+	}
+	va_end(args);
+	if (send(ctl, buf, len, MSG_NOSIGNAL) != (ssize_t)len)
+		_exit(1);
+}
+
+/* Ends the request: refused (a rule about the target) or failed (the system said no). */
+static void finish(const char *status, const char *format, ...)
+{
+	char text[1024];
+	va_list args;
+
+	va_start(args, format);
+	vsnprintf(text, sizeof(text), format, args);
+	va_end(args);
+	say("status", status, "message", text, NULL);
+	_exit(0);
+}
+
+static void refused(const char *format, const char *a, const char *b)
+{
+	finish("refused", format, a, b);
+}
+
+static void failed(const char *what)
+{
+	finish("failed", "%s: %s", what, strerror(errno));
+}
+
+static void hear(char *buf, struct fields *out)
+{
+	ssize_t n = recv(ctl, buf, MAX_MESSAGE - 1, 0);
+	char *p = buf;
+
+	if (n <= 0)
+		_exit(1); /* the broker went away or gave up */
+	buf[n] = '\0';
+	out->count = 0;
+	while (p < buf + n && out->count < 64) {
+		char *eq = strchr(p, '=');
+		size_t len = strlen(p);
+		if (eq) {
+			*eq = '\0';
+			out->key[out->count] = p;
+			out->value[out->count++] = eq + 1;
+		}
+		p += len + 1;
+	}
+}
+
+static const char *get(const struct fields *f, const char *key)
+{
+	for (int i = 0; i < f->count; i++)
+		if (strcmp(f->key[i], key) == 0)
+			return f->value[i];
+	return "";
+}
+
+static long number(const char *text, long max)
+{
+	char *end;
+	long value;
+
+	errno = 0;
+	value = strtol(text, &end, 10);
+	if (!*text || *end || errno || value < 0 || value > max)
+		finish("failed", "bad number '%s' from the broker", text);
+	return value;
+}
+
+static int statx_fd(int fd, unsigned mask, struct statx_ *st)
+{
+	/* DONT_SYNC: a FUSE inode answers from its cache instead of asking its daemon. */
+	return (int)syscall(SYS_statx, fd, "", AT_EMPTY_PATH | AT_STATX_DONT_SYNC, mask, st);
+}
+
+/* The mount an fd is on. An empty mask: the VFS fills the mount id itself, and FUSE
+ * answers an empty mask without a permission check or a request to its daemon. */
+static unsigned long mount_id_of(int fd)
+{
+	struct statx_ st;
+
+	if (statx_fd(fd, 0, &st) == -1)
+		failed("statx");
+	if (!(st.stx_mask & STATX_MNT_ID))
+		finish("failed", "%s", "the kernel does not report mount ids (statx, Linux 5.8+)");
+	return (unsigned long)st.stx_mnt_id;
+}
+
+/* mountinfo escapes space, tab, newline and backslash as \ooo; undone in place. */
+static char *unescape(char *text)
+{
+	char *in = text, *out = text;
+
+	while (*in) {
+		if (in[0] == '\\' && in[1] >= '0' && in[1] <= '3' && in[2] >= '0' && in[2] <= '7'
+		    && in[3] >= '0' && in[3] <= '7') {
+			*out++ = (char)((in[1] - '0') << 6 | (in[2] - '0') << 3 | (in[3] - '0'));
+			in += 4;
+		} else {
+			*out++ = *in++;
+		}
+	}
+	*out = '\0';
+	return text;
+}
+
+/* The mount table of the namespace this process is in now, relative to its root
+ * (setns made that the namespace's root), read through the broker's own /proc. */
+static void read_table(int proc, struct table *t)
+{
+	size_t size = 0, cap = 1 << 16;
+	int fd = openat(proc, "self/mountinfo", O_RDONLY | O_CLOEXEC);
+	char *line;
+
+	if (fd == -1)
+		failed("open mountinfo");
+	t->text = malloc(cap + 1);
+	for (;;) {
+		ssize_t n;
+		if (size == cap) {
+			if (cap >= MAX_TABLE)
+				finish("refused", "%s", "the caller's mount table is larger than 8 MiB");
+			cap *= 2;
+			t->text = realloc(t->text, cap + 1);
+		}
+		if (!t->text)
+			finish("failed", "%s", "out of memory");
+		n = read(fd, t->text + size, cap - size);
+		if (n < 0)
+			failed("read mountinfo");
+		if (n == 0)
+			break;
+		size += (size_t)n;
+	}
+	close(fd);
+	t->text[size] = '\0';
+	t->count = 0;
+	t->mounts = calloc(size / 16 + 1, sizeof(*t->mounts));
+	if (!t->mounts)
+		finish("failed", "%s", "out of memory");
+	for (line = strtok(t->text, "\n"); line; line = strtok(NULL, "\n")) {
+		char *field[10], *save = NULL, *dash = strstr(line, " - ");
+		struct mount *m = &t->mounts[t->count];
+		int n = 0;
+		if (!dash)
+			continue;
+		*dash = '\0';
+		for (char *w = strtok_r(line, " ", &save); w && n < 6; w = strtok_r(NULL, " ", &save))
+			field[n++] = w;
+		if (n < 6)
+			continue;
+		m->id = strtoul(field[0], NULL, 10);
+		m->dev = field[2];
+		m->root = unescape(field[3]);
+		m->point = unescape(field[4]);
+		m->options = field[5];
+		save = NULL;
+		m->fstype = strtok_r(dash + 3, " ", &save);
+		(void)strtok_r(NULL, " ", &save); /* the source: the tenant's words */
+		m->super = strtok_r(NULL, " ", &save);
+		if (!m->fstype || !m->super)
+			continue;
+		t->count++;
+	}
+}
+
+static const struct mount *find_id(const struct table *t, unsigned long id)
+{
+	for (int i = 0; i < t->count; i++)
+		if (t->mounts[i].id == id)
+			return &t->mounts[i];
+	return NULL;
+}
+
+/* The last mount listed at exactly this mountpoint: the one on top. */
+static const struct mount *find_point(const struct table *t, const char *point)
+{
+	const struct mount *found = NULL;
+
+	for (int i = 0; i < t->count; i++)
+		if (strcmp(t->mounts[i].point, point) == 0)
+			found = &t->mounts[i];
+	return found;
+}
+
+/* Is fstype in the comma-separated list? An entry ending in '.' matches a prefix. */
+static int listed(const char *list, const char *fstype)
+{
+	const char *p = list;
+
+	while (*p) {
+		size_t len = strcspn(p, ",");
+		if (len && (p[len - 1] == '.' ? strncmp(fstype, p, len) == 0
+					 : strlen(fstype) == len && strncmp(fstype, p, len) == 0))
+			return 1;
+		p += len + (p[len] == ',');
+	}
+	return 0;
+}
+
+/* Take the caller's uid, gid and groups for every permission check from here on;
+ * done before entering its user namespace, with the ids as the node sees them. */
+static void become_caller(const struct fields *req)
+{
+	gid_t groups[MAX_GROUPS];
+	const char *p = get(req, "groups");
+	int n = 0;
+	uid_t uid = (uid_t)number(get(req, "uid"), 0xfffffffe);
+	gid_t gid = (gid_t)number(get(req, "gid"), 0xfffffffe);
+
+	while (*p && n < MAX_GROUPS) {
+		char one[16];
+		size_t len = strcspn(p, ",");
+		if (len == 0 || len >= sizeof(one))
+			finish("failed", "bad groups '%s' from the broker", get(req, "groups"));
+		memcpy(one, p, len);
+		one[len] = '\0';
+		groups[n++] = (gid_t)number(one, 0xfffffffe);
+		p += len + (p[len] == ',');
+	}
+	if (setgroups((size_t)n, groups) == -1)
+		failed("setgroups");
+	setfsgid(gid);
+	setfsuid(uid);
+	if ((uid_t)setfsuid((uid_t)-1) != uid || (gid_t)setfsgid((gid_t)-1) != gid)
+		finish("failed", "%s", "cannot take the caller's uid and gid");
+}
+
+/* Clear, from the effective set, the capabilities that bypass file permissions.
+ * Entering a user namespace grants them all there; a caller who is not root in it
+ * must be judged without them. */
+static void drop_dac(void)
+{
+	struct cap_header h = { 0x20080522, 0 }; /* _LINUX_CAPABILITY_VERSION_3 */
+	struct cap_data d[2];
+
+	if (syscall(SYS_capget, &h, d) == -1)
+		failed("capget");
+	d[0].effective &= ~(1u << CAP_DAC_OVERRIDE | 1u << CAP_DAC_READ_SEARCH | 1u << CAP_FOWNER);
+	if (syscall(SYS_capset, &h, d) == -1)
+		failed("capset");
+}
+
+static const char *reason(int err)
+{
+	switch (err) {
+	case ELOOP:
+		return "a symlink is on the way (the shim resolves links; a link here means it "
+		       "changed or the client is not the shim)";
+	case ENOTDIR:
+		return "it is not a directory";
+	case ENOENT:
+		return "it does not exist";
+	case EACCES:
+		return "the caller may not search a directory on the way";
+	case EXDEV:
+		return "it leaves the namespace's root";
+	default:
+		return strerror(err);
+	}
+}
+
+/* Looking up a name in a directory asks its filesystem: refuse before asking one whose
+ * type is in nowalk (a FUSE daemon can stall any lookup, an automounter too). */
+static void check_walkable(const struct table *t, int dir, const char *path,
+			   const char *nowalk)
+{
+	const struct mount *m = find_id(t, mount_id_of(dir));
+
+	if (!m)
+		refused("mountpoint '%s' refused: %s", path,
+			"the mount table changed while it was resolved");
+	if (listed(nowalk, m->fstype))
+		finish("refused", "mountpoint '%s' is at or inside the %s mount at '%s': the "
+		       "broker does not resolve paths through it", path, m->fstype, m->point);
+}
+
+/* One component, no symlink of any kind, never above dir. O_PATH without O_DIRECTORY
+ * neither opens the file nor triggers an automount. */
+static int open_one(int dir, const char *name)
+{
+	struct open_how_ how = { O_PATH | O_CLOEXEC, 0,
+				 RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH };
+
+	return (int)syscall(SYS_openat2_, dir, name, &how, sizeof(how));
+}
+
+/* Resolve path from the namespace's root one component at a time, refusing to look
+ * inside any mount of a nowalk type; returns an O_PATH fd of the directory reached
+ * (or, for the last component, whatever it is: the caller asked for a name in its
+ * parent). */
+static int walk(const struct table *t, const char *path, const char *nowalk, int whole)
+{
+	char copy[MAX_PATH], *save = NULL, *name, *next;
+	int cur = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+
+	if (cur == -1)
+		failed("open the namespace root");
+	if (strlen(path) >= sizeof(copy) || path[0] != '/')
+		finish("failed", "bad path from the broker: '%s'", path);
+	strcpy(copy, path);
+	name = strtok_r(copy + 1, "/", &save);
+	while (name) {
+		int fd;
+		next = strtok_r(NULL, "/", &save);
+		check_walkable(t, cur, path, nowalk);
+		if (!next && !whole)
+			return cur; /* the parent, for unmount */
+		fd = open_one(cur, name);
+		if (fd == -1)
+			refused("mountpoint '%s' refused: %s", path, reason(errno));
+		close(cur);
+		cur = fd;
+		name = next;
+	}
+	return cur;
+}
+
+/* First of all, what shows whether Allocate gave this namespace broker mode: the
+ * mount at /run/fuse-broker. The broker judges it before anything else is looked at. */
+static void present_mark(const struct table *t)
+{
+	char buf[MAX_MESSAGE];
+	struct fields answer;
+	const struct mount *mark = find_point(t, "/run/fuse-broker");
+
+	say("status", "mark", "mark_dev", mark ? mark->dev : "", "mark_root",
+	    mark ? mark->root : "", NULL);
+	hear(buf, &answer);
+	if (strcmp(get(&answer, "go"), "1") != 0)
+		_exit(0);
+}
+
+/* The caller's own /dev/fuse, taken from its fd table: an fd of the FUSE device,
+ * opened for reading and writing (not an O_PATH handle of some node named like it). */
+static int take_fuse_fd(int pidfd, const char *number_text)
+{
+	int fd = (int)syscall(SYS_pidfd_getfd_, pidfd, (int)number(number_text, 1 << 20), 0);
+	struct statx_ st;
+	int flags;
+
+	if (fd == -1) {
+		if (errno == EBADF)
+			refused("the caller has no open fd %s%s", number_text,
+				" (the shim sends the /dev/fuse it opened)");
+		failed("pidfd_getfd");
+	}
+	flags = fcntl(fd, F_GETFL);
+	if (flags == -1 || statx_fd(fd, STATX_TYPE, &st) == -1)
+		failed("inspect the caller's fd");
+	if ((flags & O_PATH) || (flags & O_ACCMODE) != O_RDWR || !S_ISCHR(st.stx_mode)
+	    || st.stx_rdev_major != FUSE_MAJOR || st.stx_rdev_minor != FUSE_MINOR)
+		refused("the caller's fd %s is not /dev/fuse opened for reading and writing%s",
+			number_text, "");
+	return fd;
+}
+
+static void fsconfig_string(int fs, const char *key, const char *value)
+{
+	if (*value && syscall(SYS_fsconfig_, fs, FSCONFIG_SET_STRING, key, value, 0) == -1)
+		finish("failed", "mount option %s: %s", key, strerror(errno));
+}
+
+static int has_option(const char *list, const char *want)
+{
+	size_t len = strlen(want);
+
+	for (const char *p = list; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL)
+		if (strncmp(p, want, len) == 0 && (p[len] == ',' || p[len] == '\0'))
+			return 1;
+	return 0;
+}
+
+/* Build the FUSE mount as the verdict says, in the current (the caller's) user
+ * namespace, and attach it onto target. Returns the mount fd. */
+static int build_and_attach(int fuse, int target, const struct fields *v, uid_t uid, gid_t gid)
+{
+	char text[32];
+	unsigned attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV;
+	const char *flags = get(v, "flags");
+	int fs = (int)syscall(SYS_fsopen_, "fuse", FSOPEN_CLOEXEC), mnt;
+
+	if (fs == -1)
+		failed("fsopen fuse");
+	snprintf(text, sizeof(text), "%d", fuse);
+	fsconfig_string(fs, "fd", text);
+	fsconfig_string(fs, "rootmode", "40000");
+	snprintf(text, sizeof(text), "%u", uid);
+	fsconfig_string(fs, "user_id", text);
+	snprintf(text, sizeof(text), "%u", gid);
+	fsconfig_string(fs, "group_id", text);
+	fsconfig_string(fs, "source", get(v, "source"));
+	fsconfig_string(fs, "subtype", get(v, "subtype"));
+	fsconfig_string(fs, "max_read", get(v, "max_read"));
+	for (const char *p = flags; *p;) {
+		char one[32];
+		size_t len = strcspn(p, ",");
+		if (len == 0 || len >= sizeof(one))
+			finish("failed", "bad flags '%s' from the broker", flags);
+		memcpy(one, p, len);
+		one[len] = '\0';
+		if (syscall(SYS_fsconfig_, fs, FSCONFIG_SET_FLAG, one, NULL, 0) == -1)
+			finish("failed", "mount option %s: %s", one, strerror(errno));
+		p += len + (p[len] == ',');
+	}
+	if (syscall(SYS_fsconfig_, fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) == -1)
+		failed("create the FUSE superblock");
+	attrs |= has_option(get(v, "attrs"), "ro") ? MOUNT_ATTR_RDONLY : 0;
+	attrs |= has_option(get(v, "attrs"), "noexec") ? MOUNT_ATTR_NOEXEC : 0;
+	attrs |= has_option(get(v, "attrs"), "noatime") ? MOUNT_ATTR_NOATIME : 0;
+	mnt = (int)syscall(SYS_fsmount_, fs, FSMOUNT_CLOEXEC, attrs);
+	if (mnt == -1)
+		failed("fsmount");
+	close(fs);
+	if (syscall(SYS_move_mount_, mnt, "", target, "",
+		    MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH) == -1)
+		failed("move_mount");
+	return mnt;
+}
+
+/* The new mount as the table shows it must carry what was asked; else it is undone. */
+static void verify(int proc, int mnt, const struct fields *v, uid_t uid, gid_t gid)
+{
+	struct table t;
+	const struct mount *m;
+	char want[64];
+	const char *problem = NULL;
+
+	read_table(proc, &t);
+	m = find_id(&t, mount_id_of(mnt));
+	if (!m)
+		problem = "it is not in the mount table";
+	else if (!has_option(m->options, "nosuid") || !has_option(m->options, "nodev"))
+		problem = "it is not nosuid,nodev";
+	else if (has_option(get(v, "attrs"), "ro") && !has_option(m->options, "ro"))
+		problem = "it is not read-only";
+	else if (has_option(get(v, "attrs"), "noexec") && !has_option(m->options, "noexec"))
+		problem = "it is not noexec";
+	else if (has_option(get(v, "flags"), "allow_other") != has_option(m->super, "allow_other"))
+		problem = "allow_other is not as asked";
+	if (!problem && m) {
+		snprintf(want, sizeof(want), "user_id=%u", uid);
+		if (!has_option(m->super, want))
+			problem = "its user_id is not the caller's";
+		snprintf(want, sizeof(want), "group_id=%u", gid);
+		if (!problem && !has_option(m->super, want))
+			problem = "its group_id is not the caller's";
+	}
+	if (problem) {
+		char self[32];
+		snprintf(self, sizeof(self), "self/fd/%d", mnt);
+		if (fchdir(proc) == 0)
+			umount2(self, MNT_DETACH);
+		finish("failed", "the mount was undone: %s", problem);
+	}
+	say("status", "ok", "mnt_id", (snprintf(want, sizeof(want), "%lu", m->id), want),
+	    "dev", m->dev, "point", m->point, "options", m->options, "super", m->super, NULL);
+}
+
+static void mount_op(int proc, int fuse, const struct fields *req, int check)
+{
+	char buf[MAX_MESSAGE], mode[16], owner[16], writable[2] = "-", root[2], mount[24];
+	char ids[2][16];
+	const char *path = get(req, "path");
+	struct fields verdict;
+	struct table t;
+	struct statx_ st;
+	const struct mount *m;
+	uid_t uid = (uid_t)setfsuid((uid_t)-1); /* as the caller's namespace names them */
+	gid_t gid = (gid_t)setfsgid((gid_t)-1);
+	int target, mnt;
+
+	read_table(proc, &t);
+	present_mark(&t);
+	target = walk(&t, path, get(req, "nowalk"), 1);
+	/* Nothing below may ask a stallable filesystem, the target's included. */
+	check_walkable(&t, target, path, get(req, "nowalk"));
+	m = find_id(&t, mount_id_of(target));
+	if (statx_fd(target, STATX_TYPE | STATX_MODE | STATX_UID, &st) == -1)
+		failed("statx the mountpoint");
+	if (!S_ISDIR(st.stx_mode))
+		refused("mountpoint '%s' refused: %s", path, reason(ENOTDIR));
+	if (check)
+		writable[0] = syscall(SYS_faccessat2_, target, "", W_OK,
+				      AT_EMPTY_PATH | AT_EACCESS) == 0 ? '1' : '0';
+	snprintf(mode, sizeof(mode), "%o", st.stx_mode & 07777);
+	snprintf(owner, sizeof(owner), "%u", st.stx_uid);
+	snprintf(mount, sizeof(mount), "%lu", m->id);
+	snprintf(ids[0], sizeof(ids[0]), "%u", uid);
+	snprintf(ids[1], sizeof(ids[1]), "%u", gid);
+	root[0] = (st.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT)
+		  && (st.stx_attributes & STATX_ATTR_MOUNT_ROOT) ? '1' : '0';
+	root[1] = '\0';
+	say("status", "facts", "mount", mount, "fstype", m->fstype, "mount_point", m->point, "mount_root", root, "mode", mode,
+	    "owner", owner, "writable", writable, "uid", ids[0], "gid", ids[1], NULL);
+	hear(buf, &verdict);
+	if (strcmp(get(&verdict, "go"), "1") != 0)
+		_exit(0);
+	mnt = build_and_attach(fuse, target, &verdict, uid, gid);
+	verify(proc, mnt, &verdict, uid, gid);
+}
+
+static void unmount_op(int proc, const struct fields *req)
+{
+	char buf[MAX_MESSAGE], id[24];
+	const char *path = get(req, "path"), *name = strrchr(path, '/') + 1;
+	struct fields verdict;
+	struct table t;
+	const struct mount *m;
+	int parent, top;
+
+	read_table(proc, &t);
+	present_mark(&t);
+	parent = walk(&t, path, get(req, "nowalk"), 0);
+	/* Crossing into the mount on top of name asks nothing of its filesystem. */
+	top = open_one(parent, name);
+	if (top == -1)
+		refused("'%s' refused: %s", path, reason(errno));
+	m = find_id(&t, mount_id_of(top));
+	if (!m || strcmp(m->point, path) != 0)
+		refused("'%s' is not a mountpoint%s", path, "");
+	close(top); /* an open fd, even O_PATH, would keep the mount busy */
+	snprintf(id, sizeof(id), "%lu", m->id);
+	say("status", "facts", "mount", id, "fstype", m->fstype, "dev", m->dev,
+	    "super", m->super, NULL);
+	hear(buf, &verdict);
+	if (strcmp(get(&verdict, "go"), "1") != 0)
+		_exit(0);
+	if (fchdir(parent) == -1)
+		failed("fchdir");
+	if (umount2(name, UMOUNT_NOFOLLOW_ | (strcmp(get(&verdict, "lazy"), "1") ? 0 : MNT_DETACH))
+	    == -1)
+		failed("umount");
+	say("status", "ok", "mnt_id", id, NULL);
+}
+
+int main(int argc, char *argv[])
+{
+	char buf[MAX_MESSAGE];
+	struct fields req;
+	int pidfd, mntns, userns = -1, proc, check, mount, fuse = -1;
+
+	if (argc != 4 && argc != 5) {
+		fprintf(stderr, "usage: fuse-broker-helper CTLFD PIDFD MNTNSFD [USERNSFD]\n");
+		return 2;
+	}
+	ctl = (int)number(argv[1], 1 << 20);
+	pidfd = (int)number(argv[2], 1 << 20);
+	mntns = (int)number(argv[3], 1 << 20);
+	if (argc == 5)
+		userns = (int)number(argv[4], 1 << 20);
+	hear(buf, &req);
+	check = strcmp(get(&req, "check"), "1") == 0;
+	mount = strcmp(get(&req, "op"), "mount") == 0;
+	if (!mount && strcmp(get(&req, "op"), "unmount") != 0)
+		finish("failed", "unknown op '%s'", get(&req, "op"));
+	/* With the broker's own credentials: the caller's fd, and the broker's /proc,
+	 * through which the caller's mount table is read after setns. */
+	if (mount)
+		fuse = take_fuse_fd(pidfd, get(&req, "fuse_fd"));
+	proc = open("/proc", O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (proc == -1)
+		failed("open /proc");
+	if (check)
+		become_caller(&req);
+	if (userns != -1 && setns(userns, CLONE_NEWUSER) == -1)
+		failed("setns user");
+	if (setns(mntns, CLONE_NEWNS) == -1)
+		failed("setns mnt");
+	if (check && setfsuid((uid_t)-1) != 0)
+		drop_dac();
+	if (mount)
+		mount_op(proc, fuse, &req, check);
+	else
+		unmount_op(proc, &req);
+	return 0;
+}

@@ -1,0 +1,371 @@
+"""A hostile tenant's toolkit, run inside a test container (stdlib only): it speaks the
+broker's protocol directly, as a container's own root (or any uid) could, instead of
+going through the shim. Every command prints one JSON object on stdout.
+
+    attacker.py ask [--fuse] [--fd N] [--repeat N] [--mkdir] [--orphan] FIELD=VALUE...
+    attacker.py chroot-ask DIR FIELD=VALUE...      connect, chroot(DIR), then ask
+    attacker.py chroot-race DIR ITERATIONS FIELD=VALUE...
+    attacker.py rename-race A B ITERATIONS PATH...
+    attacker.py hold MOUNTPOINT                  mount, never serve, hold until stdin ends
+    attacker.py silent N [--settle]              N connections that never say a word
+    attacker.py descriptors                      a lingering TCP socket over SCM_RIGHTS
+    attacker.py pin-and-hide N DIR               mount, pin (O_PATH), lazy-unmount, repeat
+    attacker.py swap-race DIR ITERATIONS         swap DIR/a (ours) and DIR/b (not) while
+                                                 asking to mount on DIR/a
+
+``{i}`` in a field is replaced by the request's number. ``--fuse`` opens /dev/fuse and
+names the fd (``fuse_fd=``), as the shim does. Commands that hold something print their
+JSON, then wait for stdin to close.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import socket
+import struct
+import sys
+import threading
+from typing import Any
+
+SOCKET = os.environ.get("FUSE_BROKER_SOCKET", "/run/fuse-broker/broker.sock")
+VERSION = "2"
+
+
+def encode(fields: list[str]) -> bytes:
+    return b"".join(f.encode() + b"\0" for f in fields)
+
+
+def reply_of(sock: socket.socket) -> dict[str, Any]:
+    try:
+        data = sock.recv(65536)
+    except OSError as err:
+        return {"status": "closed", "message": err.strerror or str(err)}
+    fields = dict(f.split("=", 1) for f in data.decode().split("\0") if "=" in f)
+    return {"status": fields.get("status", "closed"), "message": fields.get("message", ""),
+            "mount_id": fields.get("mount_id", "")}
+
+
+def connect() -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(SOCKET)
+    return sock
+
+
+def send(sock: socket.socket, fields: list[str]) -> dict[str, Any]:
+    with contextlib.suppress(BrokenPipeError):  # answered at accept: the answer waits
+        sock.send(encode(fields))
+    return reply_of(sock)
+
+
+def with_fuse(fields: list[str], fd: int | None) -> list[str]:
+    return [*fields, f"fuse_fd={fd}"] if fd is not None else fields
+
+
+def open_fuse() -> int:
+    return os.open("/dev/fuse", os.O_RDWR)
+
+
+def ask_once(fields: list[str], fuse: bool, fd: int | None) -> dict[str, Any]:
+    opened = open_fuse() if fuse else None
+    try:
+        with connect() as sock:
+            return send(sock, with_fuse(fields, opened if opened is not None else fd))
+    finally:
+        if opened is not None:
+            os.close(opened)
+
+
+def orphan(fields: list[str]) -> dict[str, Any]:
+    """A child connects the shared socket and exits; this process then sends on it, so
+    the process the kernel names as the peer is gone (or its pid could be reused)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        child = os.fork()
+        if child == 0:
+            sock.connect(SOCKET)
+            os._exit(0)
+        os.waitpid(child, 0)
+        return send(sock, fields)
+
+
+def tally(results: list[dict[str, Any]]) -> dict[str, Any]:
+    counts = collections.Counter(str(r["status"]) for r in results)
+    messages = collections.Counter(str(r["message"]) for r in results if r["message"])
+    return {"counts": dict(counts), "messages": dict(messages)}
+
+
+def cmd_ask(args: argparse.Namespace) -> dict[str, Any]:
+    fields = [f"v={VERSION}", *args.fields]
+    if args.orphan:
+        return orphan(fields)
+    if not args.repeat:
+        return ask_once(fields, args.fuse, args.fd)
+    results = []
+    for i in range(args.repeat):
+        these = [f.replace("{i}", str(i)) for f in fields]
+        if args.mkdir:
+            os.makedirs(next(f.split("=", 1)[1] for f in these if f.startswith("path=")),
+                        exist_ok=True)
+        results.append(ask_once(these, args.fuse, args.fd))
+    return tally(results)
+
+
+def cmd_chroot_ask(args: argparse.Namespace) -> dict[str, Any]:
+    """Connect and open /dev/fuse while the root is the container's, then chroot: the
+    request is read while the process's root is DIR."""
+    fd = open_fuse()
+    sock = connect()
+    os.chroot(args.dir)
+    os.chdir("/")
+    return send(sock, with_fuse([f"v={VERSION}", *args.fields], fd))
+
+
+def cmd_chroot_race(args: argparse.Namespace) -> dict[str, Any]:
+    """One thread flips the process's root between the container's and DIR as fast as
+    it can; the main thread connects (with the real root) and asks, again and again."""
+    real = os.open("/", os.O_PATH | os.O_DIRECTORY)
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def flip() -> None:
+        while not done.is_set():
+            with lock:
+                os.chroot(args.dir)
+            with lock:
+                os.fchdir(real)
+                os.chroot(".")
+
+    flipper = threading.Thread(target=flip, daemon=True)
+    flipper.start()
+    results = []
+    fields = [f"v={VERSION}", *args.fields]
+    for _ in range(args.iterations):
+        with lock:
+            os.fchdir(real)
+            os.chroot(".")
+            sock = connect()
+        with sock:
+            results.append(send(sock, fields))
+    done.set()
+    flipper.join()
+    return tally(results)
+
+
+def cmd_rename_race(args: argparse.Namespace) -> dict[str, Any]:
+    """Swap directories A and B (one holds a FUSE mount whose daemon never answers) while
+    asking for PATHs through them: a broker that resolves a path through the swapped-in
+    FUSE mount waits on its daemon."""
+    done = threading.Event()
+    swaps = 0
+
+    def swap() -> None:
+        nonlocal swaps
+        spare = f"{args.a}.spare"
+        while not done.is_set():
+            os.rename(args.a, spare)
+            os.rename(args.b, args.a)
+            os.rename(spare, args.b)
+            swaps += 1
+
+    swapper = threading.Thread(target=swap, daemon=True)
+    swapper.start()
+    results = []
+    for i in range(args.iterations):
+        path = args.paths[i % len(args.paths)]
+        results.append(ask_once([f"v={VERSION}", "op=mount", f"path={path}"], True, None))
+    done.set()
+    swapper.join()
+    out = tally(results)
+    out["swaps"] = swaps
+    return out
+
+
+def cmd_hold(args: argparse.Namespace) -> dict[str, Any]:
+    """A FUSE mount whose daemon never reads its device: every request to it waits."""
+    fd = open_fuse()
+    answer = ask_once([f"v={VERSION}", "op=mount", f"path={args.mountpoint}"], False, fd)
+    answer["held"] = True
+    return answer
+
+
+def cmd_silent(args: argparse.Namespace) -> dict[str, Any]:
+    """With --settle, one more connection asks something after the N: the broker takes
+    connections in order, so once it has answered that one, every refusal of the N has
+    been sent; the N are then sorted into held and refused."""
+    opened = [connect() for _ in range(args.n)]
+    if not args.settle:
+        globals()["_keep"] = opened
+        return {"opened": len(opened)}
+    with connect() as last:
+        send(last, [f"v={VERSION}", "op=unmount", "path=/nonexistent"])
+    held, refused = [], collections.Counter()
+    for sock in opened:
+        sock.setblocking(False)
+        try:
+            data = sock.recv(65536)
+        except BlockingIOError:
+            held.append(sock)
+            continue
+        refused[data.decode(errors="replace").split("message=", 1)[-1].strip("\0")] += 1
+        sock.close()
+    globals()["_keep"] = held
+    return {"held": len(held), "refused": dict(refused)}
+
+
+def cmd_descriptors(args: argparse.Namespace) -> dict[str, Any]:
+    """A TCP socket whose close lingers (SO_LINGER, unacknowledged data to a peer that
+    never reads), attached to a request: whoever drops its last reference waits."""
+    server = socket.create_server(("127.0.0.1", 0))
+    tcp = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    tcp.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 3600))
+    tcp.setblocking(False)
+    try:
+        while True:
+            tcp.send(b"x" * 65536)
+    except BlockingIOError:
+        pass
+    sock = connect()
+    fields = encode([f"v={VERSION}", "op=mount", "path=/mnt", "fuse_fd=0"])
+    try:
+        socket.send_fds(sock, [fields], [tcp.fileno()])
+        sent, error = True, ""
+    except OSError as err:
+        sent, error = False, err.strerror or str(err)
+    if sent:
+        tcp.close()  # the request now holds the only other reference
+    else:  # ours again: at exit it closes at once instead of lingering in this process
+        globals()["_cleanup"] = lambda: tcp.setsockopt(
+            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    globals()["_keep"] = (server, peer, sock, tcp)
+    return {"sent": sent, "error": error}
+
+
+def cmd_pin_and_hide(args: argparse.Namespace) -> dict[str, Any]:
+    """Mount, keep the mount alive with an O_PATH fd, lazily unmount it so no table
+    shows it, and go again: how many live FUSE connections can one container get?"""
+    kept, results = [], []
+    for i in range(args.n):
+        point = os.path.join(args.dir, str(i))
+        os.makedirs(point, exist_ok=True)
+        fd = open_fuse()
+        answer = ask_once([f"v={VERSION}", "op=mount", f"path={point}"], False, fd)
+        results.append(answer)
+        if answer["status"] != "ok":
+            os.close(fd)
+            continue
+        kept += [fd, os.open(point, os.O_PATH)]
+        ask_once([f"v={VERSION}", "op=unmount", f"path={point}", "flags=lazy"], False, None)
+    globals()["_keep"] = kept
+    out = tally(results)
+    out["mounted"] = sum(1 for r in results if r["status"] == "ok")
+    return out
+
+
+def cmd_swap_race(args: argparse.Namespace) -> dict[str, Any]:
+    """DIR/a is the caller's, DIR/b a directory it may not write. One thread swaps them
+    by renames, and turns DIR/a into a symlink to DIR/b and back; the main thread asks
+    for DIR/a again and again. Every mount that succeeds is checked: the directory under
+    it (its inode, read from the parent's entries, which never asks the mount) must be
+    the caller's own."""
+    own = os.stat(os.path.join(args.dir, "a")).st_ino
+    done = threading.Event()
+    swaps = 0
+
+    def swap() -> None:
+        nonlocal swaps
+        a, b, spare = (os.path.join(args.dir, n) for n in ("a", "b", "spare"))
+        while not done.is_set():
+            with contextlib.suppress(OSError):  # a mountpoint cannot move: EBUSY
+                os.rename(a, spare)
+                if swaps % 2:
+                    os.symlink("b", a)
+                    os.unlink(a)
+                    os.rename(spare, a)
+                else:
+                    os.rename(b, a)
+                    os.rename(spare, b)
+            swaps += 1
+
+    swapper = threading.Thread(target=swap, daemon=True)
+    swapper.start()
+    outcome: collections.Counter[str] = collections.Counter()
+    for _ in range(args.iterations):
+        fd = open_fuse()
+        answer = ask_once([f"v={VERSION}", "op=mount", f"path={args.dir}/a"], False, fd)
+        if answer["status"] != "ok":
+            outcome["refused"] += 1
+            os.close(fd)
+            continue
+        point = mountpoint_of(answer["mount_id"])
+        name = os.path.basename(point)
+        entry = next(e for e in os.scandir(os.path.dirname(point)) if e.name == name)
+        outcome["own" if entry.inode() == own else "not own"] += 1
+        ask_once([f"v={VERSION}", "op=unmount", f"path={point}", "flags=lazy"], False, None)
+        os.close(fd)
+    done.set()
+    swapper.join()
+    return {"outcome": dict(outcome), "swaps": swaps}
+
+
+def mountpoint_of(mount_id: str) -> str:
+    with open("/proc/self/mountinfo") as table:
+        for line in table:
+            fields = line.split()
+            if fields[0] == mount_id:
+                return fields[4].replace("\\040", " ")
+    raise LookupError(f"mount {mount_id} is not in this namespace")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    ask = sub.add_parser("ask")
+    ask.add_argument("--fuse", action="store_true")
+    ask.add_argument("--fd", type=int)
+    ask.add_argument("--repeat", type=int, default=0)
+    ask.add_argument("--mkdir", action="store_true")
+    ask.add_argument("--orphan", action="store_true")
+    ask.add_argument("fields", nargs="+")
+    chroot_ask = sub.add_parser("chroot-ask")
+    chroot_ask.add_argument("dir")
+    chroot_ask.add_argument("fields", nargs="+")
+    race = sub.add_parser("chroot-race")
+    race.add_argument("dir")
+    race.add_argument("iterations", type=int)
+    race.add_argument("fields", nargs="+")
+    rename = sub.add_parser("rename-race")
+    rename.add_argument("a")
+    rename.add_argument("b")
+    rename.add_argument("iterations", type=int)
+    rename.add_argument("paths", nargs="+")
+    hold = sub.add_parser("hold")
+    hold.add_argument("mountpoint")
+    silent = sub.add_parser("silent")
+    silent.add_argument("n", type=int)
+    silent.add_argument("--settle", action="store_true")
+    sub.add_parser("descriptors")
+    pin = sub.add_parser("pin-and-hide")
+    pin.add_argument("n", type=int)
+    pin.add_argument("dir")
+    race_swap = sub.add_parser("swap-race")
+    race_swap.add_argument("dir")
+    race_swap.add_argument("iterations", type=int)
+    args = parser.parse_args()
+    commands = {"ask": cmd_ask, "chroot-ask": cmd_chroot_ask, "chroot-race": cmd_chroot_race,
+                "rename-race": cmd_rename_race, "hold": cmd_hold, "silent": cmd_silent,
+                "descriptors": cmd_descriptors, "pin-and-hide": cmd_pin_and_hide,
+                "swap-race": cmd_swap_race}
+    print(json.dumps(commands[args.command](args)), flush=True)
+    if args.command in ("hold", "silent", "descriptors", "pin-and-hide"):
+        sys.stdin.read()  # hold until the test closes our stdin
+        globals().get("_cleanup", lambda: None)()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
