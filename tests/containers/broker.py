@@ -112,6 +112,7 @@ def allocation(workdir: Path, broker_dir: Path) -> api.ContainerAllocateResponse
     """The real plugin's Allocate answer with ``--broker-dir``: the plugin's slots are
     healthy only once a broker has installed its shim there, so it is installed first,
     as the broker does."""
+    broker_dir.mkdir(parents=True, exist_ok=True)
     install_shim(broker_dir, shim().read_bytes())
     return plugin.allocate(workdir, extra=("--broker-dir", str(broker_dir)))
 

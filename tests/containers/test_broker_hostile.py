@@ -323,3 +323,71 @@ def test_a_node_process_is_refused(scene: Scene, tmp_path: Path, how: str) -> No
     assert ("not given broker mode" in result.stderr
             or "maps the node's uid 0" in result.stderr), result.stderr
     assert not os.path.ismount(target)
+
+
+# A stand-in for the broker's helper that ends up where a helper would if a tenant's
+# daemon ever caught it: blocked in the kernel, beyond SIGKILL's reach. A child takes the
+# lock of the caller's never-answering FUSE root (mkdir in it waits on the daemon while
+# holding the directory's lock), then this process looks a name up there and waits on
+# that lock, uninterruptibly.
+STUCK_HELPER = """#!/usr/bin/env python3
+import os, re, sys
+pidfd = int(sys.argv[2])
+info = open(f"/proc/self/fdinfo/{pidfd}").read()
+pid = int(re.search(r"^Pid:\\s+(\\d+)", info, re.M).group(1))
+stall = f"/proc/{pid}/root/mnt/stall"
+child = os.fork()
+if child == 0:
+    try:
+        os.mkdir(stall + "/x")
+    finally:
+        os._exit(0)
+for _ in range(2000):  # until the child waits inside mkdir, holding the lock
+    call = open(f"/proc/{child}/syscall").read().split()[0]
+    if call in ("83", "258", "34", "39"):  # mkdir, mkdirat (x86-64; arm64: 34)
+        break
+    os.sched_yield()
+os.stat(stall + "/y")
+"""
+
+
+def test_a_helper_stuck_on_a_tenants_daemon_is_freed_by_aborting_its_connections(
+        scene_parts: tuple[BrokerProcess, Path], tmp_path: Path) -> None:
+    """Nothing in the broker's own helper walks into a FUSE mount, but if a helper were
+    ever caught by a tenant's daemon (in the kernel, where SIGKILL cannot reach it), the
+    broker aborts the FUSE connections it made for that container, which frees it, and
+    says so. The mount was made by an earlier broker: the records survive a restart."""
+    _, image = scene_parts
+    broker_dir = tmp_path / "broker-dir"
+    allocation = broker_rig.allocation(tmp_path / "plugin", broker_dir)
+    real = BrokerProcess(broker_dir, tmp_path / "real", broker_rig.shim()).start()
+    with oci.Runc() as runc:
+        attacker = runc.create(oci.build_spec(pod(allocation, image)), "stuck").start()
+        attacker.sh("mkdir -p /mnt/stall /mnt/other").check()
+        stall = Held(attacker, "hold", "/mnt/stall")
+        assert stall.answer["status"] == "ok"
+        [connection] = attacker.fuse_connections()
+        real.stop()
+        fake = tmp_path / "fake-bin"
+        fake.mkdir()
+        (fake / protocol.SHIM_NAME).write_bytes(broker_rig.shim().read_bytes())
+        (fake / "fuse-broker-helper").write_text(STUCK_HELPER)
+        for program in fake.iterdir():
+            program.chmod(0o755)
+        stuck = BrokerProcess(broker_dir, tmp_path / "stuck", fake / protocol.SHIM_NAME)
+        stuck.state = real.state
+        stuck.start()
+        try:
+            answer = attack(attacker, "ask", "--fuse", "op=mount", "path=/mnt/other")
+            assert "did not finish within" in answer["message"]
+            [aborted] = workloads.wait_for(lambda: stuck.events("broker.aborted"), 60,
+                                           "the broker to abort the container's FUSE "
+                                           "connections")
+            assert aborted["connections"] == [connection]
+            assert stuck.events("broker.stalled")
+            # The helper is free and gone, and the broker serves on.
+            assert attack(attacker, "ask", "op=unmount", "path=/mnt/nothing")["status"] \
+                == "error"
+        finally:
+            stuck.stop()
+            stall.release()
