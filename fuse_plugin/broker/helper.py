@@ -111,7 +111,8 @@ def outcome(message: dict[str, str]) -> None:
     status = message.get("status")
     text = message.get("message", "")
     if status == "refused":
-        raise policy.Refused(text, "path")
+        kind = message.get("kind", "path")
+        raise policy.Refused(text, kind if kind in policy.kinds() else "path")
     if status == "failed":
         raise HelperFailed(text)
     if status == "exited":

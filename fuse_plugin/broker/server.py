@@ -275,14 +275,18 @@ class Broker:
 
     def _close(self) -> None:
         if self._listener is not None:
-            self._selector.unregister(self._listener)
+            with contextlib.suppress(KeyError):  # unregistered while accepting paused
+                self._selector.unregister(self._listener)
             self._listener.close()
             with contextlib.suppress(OSError):
                 st = os.lstat(self.socket_path)
                 if stat.S_ISSOCK(st.st_mode) and st.st_ino == self._inode:
                     self.socket_path.unlink()
             self._listener = None
-        for work in [*self._waiting.values(), *(w for q in self._queued.values() for w in q)]:
+        waiting = list(self._waiting.values())
+        for work in waiting:
+            self._unwait(work)
+        for work in [*waiting, *(w for q in self._queued.values() for w in q)]:
             self._refuse(work, policy.Refused("the broker is stopping; try again", "busy"))
         self._queued.clear()
         deadline = time.monotonic() + STOP_GRACE
@@ -410,8 +414,7 @@ class Broker:
             return
         except OSError:
             data = b""
-        self._selector.unregister(work.sock)
-        del self._waiting[work.sock.fileno()]
+        self._unwait(work)
         if not data:
             self._drop(work)
             return
@@ -422,6 +425,11 @@ class Broker:
             return
         self._queued.setdefault(work.container, collections.deque()).append(work)
         self._next(work.container)
+
+    def _unwait(self, work: _Work) -> None:
+        """The connection leaves the selector: its request arrived, or it never will."""
+        self._selector.unregister(work.sock)
+        del self._waiting[work.sock.fileno()]
 
     def _prepare(self, work: _Work, data: bytes) -> None:
         """Everything that needs no helper: the message, the rules on strings, the
@@ -571,8 +579,7 @@ class Broker:
             self._paused_until = 0.0
             self._selector.register(self._listener, selectors.EVENT_READ, "listen")
         for work in [w for w in self._waiting.values() if w.deadline <= now]:
-            self._selector.unregister(work.sock)
-            del self._waiting[work.sock.fileno()]
+            self._unwait(work)
             self._refuse(work, policy.Refused(
                 f"no complete request within {REQUEST_DEADLINE:g}s", "request"))
         for work in [w for w in self._running.values()

@@ -27,7 +27,7 @@ MOUNTS=/mnt/fuse/broker
 nonroot() {  # nonroot: bindfs as uid 1000 over its own directory
   local mp=$MOUNTS/nonroot out
   say RESULT "check=nonroot-uid status=$(id -u)"
-  if out=$(bindfs /srv/bindfs-nonroot "$mp" 2>&1); then
+  if out=$(bindfs --no-allow-other /srv/bindfs-nonroot "$mp" 2>&1); then
     say RESULT "check=nonroot-mount status=ok"
     say MOUNTINFO "workload=nonroot $(mountinfo_line "$mp")"
     echo "written by uid 1000" > "$mp/from-nonroot.txt"

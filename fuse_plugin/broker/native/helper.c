@@ -161,6 +161,9 @@ static void say(const char *key, ...)
 		_exit(1);
 }
 
+/* What a refusal is about, for the broker's log and metrics (policy.Refused.kind). */
+static const char *refusal_kind = "path";
+
 /* Ends the request: refused (a rule about the target) or failed (the system said no). */
 static void finish(const char *status, const char *format, ...)
 {
@@ -170,7 +173,7 @@ static void finish(const char *status, const char *format, ...)
 	va_start(args, format);
 	vsnprintf(text, sizeof(text), format, args);
 	va_end(args);
-	say("status", status, "message", text, NULL);
+	say("status", status, "message", text, "kind", refusal_kind, NULL);
 	_exit(0);
 }
 
@@ -465,8 +468,11 @@ static int walk(const struct table *t, const char *path, const char *nowalk, int
 		if (!next && !whole)
 			return cur; /* the parent, for unmount */
 		fd = open_one(cur, name);
-		if (fd == -1)
+		if (fd == -1) {
+			if (errno == EACCES)
+				refusal_kind = "permission";
 			refused("mountpoint '%s' refused: %s", path, reason(errno));
+		}
 		close(cur);
 		cur = fd;
 		name = next;
@@ -497,6 +503,7 @@ static int take_fuse_fd(int pidfd, const char *number_text)
 	struct statx_ st;
 	int flags;
 
+	refusal_kind = "allocation";
 	if (fd == -1) {
 		if (errno == EBADF)
 			refused("the caller has no open fd %s%s", number_text,
@@ -510,6 +517,7 @@ static int take_fuse_fd(int pidfd, const char *number_text)
 	    || st.stx_rdev_major != FUSE_MAJOR || st.stx_rdev_minor != FUSE_MINOR)
 		refused("the caller's fd %s is not /dev/fuse opened for reading and writing%s",
 			number_text, "");
+	refusal_kind = "path";
 	return fd;
 }
 
