@@ -99,21 +99,45 @@ def resource_name(text: str) -> str:
     return text
 
 
+def _whole_number(text: str, low: int, high: int) -> int | None:
+    """``text`` as a number from ``low`` to ``high`` if it is only ASCII digits, else None.
+
+    ``int()`` alone is too lenient for a flag: it strips spaces and newlines and takes a
+    sign, underscores and any script's digits ('\u0661\u0662' is 12), so a manifest's typo
+    would be read as some number; ``str.isdigit()`` also takes '\u00b2', which ``int()``
+    refuses. Leading zeros are allowed, and the length is checked before ``int()``, which
+    refuses more than 4300 digits with an error of its own.
+    """
+    if not text or not text.isascii() or not text.isdigit():
+        return None
+    if len(text.lstrip("0")) > len(str(high)):
+        return None
+    value = int(text)
+    return value if low <= value <= high else None
+
+
+def _shown(text: str, limit: int = 100) -> str:
+    """``text`` quoted for an error line, cut at ``limit`` characters: a 5000-digit value
+    is one readable line, not a screenful."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
 def slots(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= MAX_SLOTS or str(value) != text.strip():
+    value = _whole_number(text, 1, MAX_SLOTS)
+    if value is None:
         raise argparse.ArgumentTypeError(
-            f"must be a whole number from 1 to {MAX_SLOTS}, got {text!r}")
+            f"must be a whole number from 1 to {MAX_SLOTS}, got {_shown(text)}")
     return value
 
 
 def port(text: str) -> int:
-    if not text.strip().isdigit() or not 0 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port from 0 to 65535, got {text!r}")
-    return int(text)
+    value = _whole_number(text, 0, 65535)
+    if value is None:
+        raise argparse.ArgumentTypeError(
+            f"must be a TCP port from 0 to 65535, got {_shown(text)}")
+    return value
 
 
 def address(text: str) -> str:

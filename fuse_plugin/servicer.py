@@ -34,6 +34,10 @@ WORKERS = MAX_STREAMS + 8
 # A refusal names at most this many IDs: a status detail travels in a header that gRPC
 # caps at 16 KiB, and a request naming 100,000 bad IDs must still get its answer.
 MAX_NAMED = 10
+# ...and shows at most this many characters of each: one 3 MiB ID once made a 6-million-
+# character log line and a refusal too big for that header (RESOURCE_EXHAUSTED instead
+# of INVALID_ARGUMENT). Our own IDs are "fuse-<index>", far shorter.
+MAX_ID_SHOWN = 64
 
 
 class FusePlugin(api_pb2_grpc.DevicePluginServicer):
@@ -182,8 +186,8 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
 
     def _refuse(self, context: grpc.ServicerContext, detail: str, ids: list[str]) -> NoReturn:
         self._stats.refused()
-        logs.event(self._log, "allocate.refused", logging.WARNING, ids=ids[:MAX_NAMED],
-                   count=len(ids), reason=detail)
+        logs.event(self._log, "allocate.refused", logging.WARNING,
+                   ids=[_shown(i) for i in ids[:MAX_NAMED]], count=len(ids), reason=detail)
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail)
 
     def _slot_order(self, device_id: str) -> tuple[int, str]:
@@ -218,6 +222,16 @@ def add_to_server(plugin: FusePlugin, server: grpc.Server) -> None:
         (grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
+def _shown(device_id: str) -> str:
+    """An ID as a refusal or a log line shows it: whole if short, else its first
+    ``MAX_ID_SHOWN`` characters and its length, so that any request gets its answer
+    and its log line stays a line."""
+    if len(device_id) <= MAX_ID_SHOWN:
+        return device_id
+    return f"{device_id[:MAX_ID_SHOWN]}... ({len(device_id)} characters)"
+
+
 def _some(ids: list[str]) -> str:
-    shown = ", ".join(ids[:MAX_NAMED])
+    """At most ``MAX_NAMED`` IDs, each bounded, and how many more there were."""
+    shown = ", ".join(_shown(i) for i in ids[:MAX_NAMED])
     return shown if len(ids) <= MAX_NAMED else f"{shown} and {len(ids) - MAX_NAMED} more"

@@ -5,11 +5,14 @@ gRPC status and the plugin comes back by itself; nothing here waits on a clock."
 from __future__ import annotations
 
 import os
+import selectors
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import grpc
 import pytest
@@ -18,9 +21,10 @@ from fuse_plugin import logs, plugin
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.config import Settings
 from fuse_plugin.devices import Health, Probe
+from fuse_plugin.metrics import MAX_CONNECTIONS
 from fuse_plugin.sim.kubelet import KubeletStandIn
 from tests.conftest import RESOURCE, Node, PluginProcess, StartPlugin
-from tests.unit.test_metrics import eventually, free_port, get
+from tests.unit.test_metrics import DEADLINE, eventually, free_port, get
 from tests.waiting import wait_until
 
 SOCKET = "github.com_fuse.sock"
@@ -54,6 +58,14 @@ BAD_SERVE_ARGS = [
     (["--device-plugin-dir", "/tmp/a,b"], "must not contain a comma"),
     (["--device-plugin-dir", "/tmp/" + "x" * 90], "more than a unix socket path holds"),
     (["--metrics-address", "::g"], "must be an IP address"),
+    # Numbers are ASCII digits only: int() would take spaces, signs, underscores and
+    # any script's digits (' 5', '+5', '5_0', '\u0661\u0662'), and isdigit() takes '\u00b2'.
+    *((["--slots", value], f"must be a whole number from 1 to 100000, got {value!r}")
+      for value in (" 5", "5 ", "5\n", "+5", "5_0", "\u0661\u0662", "\u00b2")),
+    *((["--metrics-port", value], f"must be a TCP port from 0 to 65535, got {value!r}")
+      for value in (" 80", "80\n", "+80", "8_0", "\u0668\u0660", "\u00b2", "65536")),
+    *(([flag, "9" * 5000], f"got '{'9' * 100}'... (5000 characters)")
+      for flag in ("--slots", "--metrics-port")),
 ]
 
 
@@ -215,6 +227,40 @@ def test_huge_allocate_gets_a_status(kubelet: KubeletStandIn,
     assert kubelet.allocate(RESOURCE, [["fuse-1"]]).container_responses
 
 
+HUGE_ID = "fuse-" + "7" * (3 * 1024 * 1024)  # one 3 MiB device ID
+# Longest log line a refusal may write: a bounded ID, ten of them at most, and a reason.
+LOG_LINE_LIMIT = 4096
+
+
+def test_a_3_mib_device_id_is_refused_invalid_argument_with_a_short_log_line(
+        kubelet: KubeletStandIn, start_plugin: StartPlugin) -> None:
+    """One huge ID once wrote a 6-million-character log line, and the refusal naming it
+    outgrew gRPC's metadata limit: RESOURCE_EXHAUSTED instead of INVALID_ARGUMENT."""
+    plugin = start_plugin()
+    kubelet.wait_registered()
+    stub = kubelet.stub(RESOURCE)
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Allocate(api.AllocateRequest(container_requests=[
+            api.ContainerAllocateRequest(devices_ids=[HUGE_ID])]), timeout=DEADLINE)
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+    assert "unknown device IDs: fuse-777" in str(refused.value.details())
+    assert f"({len(HUGE_ID)} characters)" in str(refused.value.details())
+    with pytest.raises(grpc.RpcError) as preferred:
+        stub.GetPreferredAllocation(api.PreferredAllocationRequest(container_requests=[
+            api.ContainerPreferredAllocationRequest(
+                available_deviceIDs=["fuse-0"], must_include_deviceIDs=[HUGE_ID],
+                allocation_size=1)]), timeout=DEADLINE)
+    assert preferred.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert f"({len(HUGE_ID)} characters)" in str(preferred.value.details())
+    assert kubelet.allocate(RESOURCE, [["fuse-1"]]).container_responses
+    assert plugin.terminate() == 0
+    lines = plugin.log.splitlines()
+    refusals = [line for line in lines if "allocate.refused" in line]
+    assert len(refusals) == 1
+    assert f"({len(HUGE_ID)} characters)" in refusals[0]
+    assert max(len(line) for line in lines) <= LOG_LINE_LIMIT
+
+
 # -- the metrics port under abuse -----------------------------------------------------
 
 @pytest.fixture
@@ -247,21 +293,138 @@ def test_idle_and_half_sent_connections_are_closed(metrics: tuple[PluginProcess,
     assert _status(port, "/healthz")[0] == 200
 
 
-def test_connections_over_the_cap_are_closed_at_once(
-        metrics: tuple[PluginProcess, int]) -> None:
+class Flood:
+    """Issue 20's attack from a thread of its own: ``count`` connections to the port held
+    open, each one sending ``prefix`` (nothing: idle; a request with no end: half-sent)
+    and re-opened the moment the server closes it, so that the port never has fewer
+    such connections than the attacker wants. ``at_full_strength`` is set once all are
+    open and the server has had to close one: the port is at its cap."""
+
+    def __init__(self, port: int, count: int, prefix: bytes = b"",
+                 source: str = "127.0.0.1") -> None:
+        self._port = port
+        self._source = source
+        self._count = count
+        self._prefix = prefix
+        self._selector = selectors.DefaultSelector()
+        self._stop_read, self._stop_write = socket.socketpair()
+        self._selector.register(self._stop_read, selectors.EVENT_READ)
+        self.opened = 0
+        self.closed_by_server = 0
+        self.at_full_strength = threading.Event()
+        self._thread = threading.Thread(target=self._attack, daemon=True)
+
+    def __enter__(self) -> Flood:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop_write.send(b"x")
+        self._thread.join()
+        for key in list(self._selector.get_map().values()):
+            self._selector.unregister(key.fileobj)
+            cast(socket.socket, key.fileobj).close()
+        self._selector.close()
+        self._stop_write.close()
+
+    def _open(self) -> None:
+        try:
+            conn = socket.create_connection(("127.0.0.1", self._port), timeout=DEADLINE,
+                                            source_address=(self._source, 0))
+            if self._prefix:
+                conn.sendall(self._prefix)
+        except OSError:
+            return  # the next closure tries again
+        self._selector.register(conn, selectors.EVENT_READ)
+        self.opened += 1
+
+    def _attack(self) -> None:
+        for _ in range(self._count):
+            self._open()
+        while True:
+            if self.closed_by_server:
+                self.at_full_strength.set()
+            for key, _ in self._selector.select():
+                if key.fileobj is self._stop_read:
+                    return
+                conn = cast(socket.socket, key.fileobj)
+                try:
+                    gone = conn.recv(4096) == b""
+                except OSError:
+                    gone = True
+                if gone:
+                    self._selector.unregister(conn)
+                    conn.close()
+                    self.closed_by_server += 1
+                    self._open()
+
+
+PROBES = 30
+
+
+@pytest.mark.parametrize("prefix", [b"", b"GET /healthz HTTP/1.0\r\nUser-Agent: x",
+                                    b"GET /metr"], ids=["idle", "half-headers", "half-line"])
+def test_probes_answer_while_more_connections_than_the_cap_are_held_and_renewed(
+        metrics: tuple[PluginProcess, int], prefix: bytes) -> None:
+    """Issue 20: 16 idle connections, renewed before they timed out, made most probes
+    fail, and three failed probes restart the plugin. Here twice the cap are held and
+    every one the server closes is re-opened at once; every probe must still be 200."""
     process, port = metrics
     threads_before = len(os.listdir(f"/proc/{process.proc.pid}/task"))
-    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(64)]
-    try:
-        closed = [conn for conn in held[32:] if _closed_by_server(conn)]
-        assert len(closed) == 32
+    with Flood(port, 2 * MAX_CONNECTIONS + 8, prefix) as flood:
+        assert flood.at_full_strength.wait(DEADLINE), "the flood never reached the cap"
+        answers = [_status(port, "/healthz")[0] for _ in range(PROBES)]
         threads = len(os.listdir(f"/proc/{process.proc.pid}/task"))
-        # At most 16 handler threads; a little room for threads gRPC starts lazily.
-        assert threads <= threads_before + 16 + 4
+    failed = PROBES - answers.count(200)
+    assert not failed, f"{failed} of {PROBES} probes got no 200: {answers}"
+    assert flood.opened > 2 * MAX_CONNECTIONS  # the attack really was over the cap
+    # One thread serves them all; the room is for threads gRPC starts lazily (up to 8).
+    assert threads <= threads_before + 16
+    assert process.proc.poll() is None
+    assert "Traceback" not in process.log
+
+
+def test_a_fresh_probe_drops_the_oldest_idle_connection(
+        metrics: tuple[PluginProcess, int]) -> None:
+    """Over the cap, the oldest connection is closed to make room, never the newcomer:
+    a port full of idle connections still lets a probe in."""
+    _, port = metrics
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CONNECTIONS)]
+    try:
+        assert _status(port, "/healthz")[0] == 200  # the port was full: the probe got in
+        assert _closed_by_server(held[0])  # ... in the place of the oldest
+        # The probe is answered and gone: one place is free. Nine more connections: one
+        # takes it, and each of the eight others closes the oldest left.
+        held += [socket.create_connection(("127.0.0.1", port)) for _ in range(9)]
+        for conn in held[1:9]:
+            assert _closed_by_server(conn)
+        for conn in (held[9], held[-1]):  # still open: a request on them is answered
+            conn.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+            conn.settimeout(DEADLINE)
+            assert conn.recv(64).startswith(b"HTTP/1.0 200 ")
     finally:
         for conn in held:
             conn.close()
-    eventually(lambda: _status(port, "/healthz")[0] == 200, "probes answered again")
+
+
+def test_a_late_probe_from_another_address_outlasts_a_flood(
+        metrics: tuple[PluginProcess, int]) -> None:
+    """Over the cap, the address holding the most loses its oldest connection: a flood
+    from one pod pushes out only its own, so a probe from the node gets in even if it is
+    slow to send its request (its process not scheduled while the flood runs)."""
+    _, port = metrics
+    probe = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE)
+    try:
+        with Flood(port, 2 * MAX_CONNECTIONS + 8, source="127.0.0.2") as flood:
+            assert flood.at_full_strength.wait(DEADLINE), "the flood never reached the cap"
+            # The oldest connection of all is the probe's: with "close the oldest", the
+            # first of these closures would have been it.
+            eventually(lambda: flood.closed_by_server > 2 * MAX_CONNECTIONS,
+                       "the flood pushing out twice the cap")
+            probe.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+            assert probe.recv(64).startswith(b"HTTP/1.0 200 ")
+    finally:
+        probe.close()
 
 
 def test_metrics_on_ipv6_loopback(start_plugin: StartPlugin) -> None:

@@ -195,6 +195,91 @@ def _mebibytes(quantity: str) -> int:
     return int(quantity[:-2])
 
 
+# -- the network policy ------------------------------------------------------------------
+
+POLICY = one(MANIFESTS / "network-policy.yaml", "NetworkPolicy")
+BROKER = one(MANIFESTS / "broker" / "broker-daemonset.yaml", "DaemonSet")
+READER = "fuse-device-plugin.github.com/metrics-reader"
+NAMESPACE = "fuse-device-plugin"
+
+
+def selects(selector: Doc, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels and matchExpressions) applied to labels."""
+    if any(labels.get(key) != value for key, value in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator = expression["key"], expression["operator"]
+        values = expression.get("values", [])
+        held = {"In": key in labels and labels[key] in values,
+                "NotIn": key not in labels or labels[key] not in values,
+                "Exists": key in labels, "DoesNotExist": key not in labels}[operator]
+        if not held:
+            return False
+    return True
+
+
+def admits(namespace: str, namespace_labels: dict[str, str], pod_labels: dict[str, str],
+           port: int) -> bool:
+    """Whether the policy lets a pod (its namespace and labels) in on ``port``: what a
+    network plugin enforces, for the peer kinds the policy may use."""
+    for rule in POLICY["spec"].get("ingress", []):
+        if port not in {p["port"] for p in rule.get("ports", [])}:
+            continue
+        for peer in rule.get("from", []):
+            assert "ipBlock" not in peer, "an address range admits whatever hides behind it"
+            assert peer, "an empty peer admits every pod"
+            if "namespaceSelector" in peer:
+                if not selects(peer["namespaceSelector"], namespace_labels):
+                    continue
+            elif namespace != NAMESPACE:
+                continue
+            if "podSelector" in peer and not selects(peer["podSelector"], pod_labels):
+                continue
+            return True
+    return False
+
+
+def metrics_port(daemonset: Doc) -> int:
+    (container,) = pod_spec(daemonset)["containers"]
+    return int(next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics"))
+
+
+def test_network_policy_selects_our_pods_and_denies_other_ingress() -> None:
+    spec = POLICY["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    selector = spec["podSelector"]
+    for daemonset in (PLUGIN, BROKER, INSTALLER):
+        assert selects(selector, daemonset["spec"]["template"]["metadata"]["labels"])
+    assert not selects(selector, {"app.kubernetes.io/name": "something-else"})
+    assert not selects(selector, {})
+    # One rule, on the plugin's and the broker's metrics ports only, over TCP.
+    (rule,) = spec["ingress"]
+    assert {(p["protocol"], p["port"]) for p in rule["ports"]} == {
+        ("TCP", metrics_port(PLUGIN)), ("TCP", metrics_port(BROKER))}
+
+
+@pytest.mark.parametrize(("namespace", "namespace_labels", "pod_labels", "admitted"), [
+    ("monitoring", {READER: "true"}, {}, True),  # a labelled namespace: all its pods
+    ("monitoring", {}, {READER: "true"}, True),  # a labelled pod, in any namespace
+    (NAMESPACE, {}, {READER: "true"}, True),
+    ("monitoring", {}, {"app": "prometheus"}, False),  # unlabelled: refused
+    ("tenant", {READER: "false"}, {READER: "yes"}, False),  # "true" only
+    (NAMESPACE, {}, {"app.kubernetes.io/name": "fuse-device-plugin"}, False),
+])
+def test_network_policy_admits_metrics_readers_only(
+        namespace: str, namespace_labels: dict[str, str], pod_labels: dict[str, str],
+        admitted: bool) -> None:
+    for port in (metrics_port(PLUGIN), metrics_port(BROKER)):
+        assert admits(namespace, namespace_labels, pod_labels, port) is admitted
+    assert not admits("monitoring", {READER: "true"}, {READER: "true"}, 22)
+
+
+def test_readme_says_how_to_let_prometheus_in() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert f"{READER}=true" in readme
+    assert "network-policy.yaml" in readme
+
+
 # -- the profile installer --------------------------------------------------------------
 
 def test_installer_has_only_what_loading_apparmor_needs() -> None:

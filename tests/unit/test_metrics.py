@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import socket
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from http import HTTPStatus
 from pathlib import Path
 from typing import cast
 
@@ -15,6 +17,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fuse_plugin.http_port import TEXT, Answer, HttpPort
 from fuse_plugin.lifecycle import Lifecycle
 from fuse_plugin.metrics import MetricsServer
 from fuse_plugin.sim.kubelet import KubeletStandIn
@@ -182,16 +185,29 @@ def _wakeups(thread_id: int) -> int:
                if "ctxt_switches:" in line)
 
 
+def _waiting_in_epoll(thread_id: int) -> bool:
+    """Asleep in epoll_wait, where an idle selector loop rests (the kernel's wait channel;
+    where it hides that, plain "sleeping")."""
+    task = Path(f"/proc/self/task/{thread_id}")
+    channel = (task / "wchan").read_text()
+    if channel not in ("", "0"):
+        return "epoll" in channel
+    return (task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "S"
+
+
 def test_an_idle_metrics_port_never_wakes_and_stops_at_once() -> None:
     """http.server's serve_forever polls twice a second; on every node, all day, that
     was a third of the plugin's own idle CPU. Our loop waits on the socket and a pipe."""
     lifecycle = cast(Lifecycle, None)  # the idle server never calls it; /nope neither
     server = MetricsServer(lifecycle, Stats(), "127.0.0.1", 0).start()
     try:
-        assert get(server.port, "/nope")[0] == 404  # serving, and settled after it
+        assert get(server.port, "/nope")[0] == 404  # serving
         thread = next(t for t in threading.enumerate() if t.name == "metrics")
         assert thread.native_id is not None
         thread_id = thread.native_id
+        # The thread that wrote the answer closes the connection after it: settled once
+        # it is back waiting in epoll.
+        eventually(lambda: _waiting_in_epoll(thread_id), "the metrics thread settling")
         before = _wakeups(thread_id)
         threading.Event().wait(1.2)  # an observation window, not a synchronisation
         assert _wakeups(thread_id) == before
@@ -219,3 +235,120 @@ def test_the_port_answers_requests_as_a_probe_would_send_them(
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.split(b"\r\n")[0].startswith(b"HTTP/1.0 " + status + b" ")
     assert f"Content-Length: {len(body)}".encode() in head
+
+
+# -- the serving core on its own (fuse_plugin.http_port), as the broker will use it -------
+
+def _exchange(port: int, request: bytes, shut: bool = False) -> bytes:
+    """Send ``request`` (then half-close if ``shut``) and read until the server closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as conn:
+        conn.sendall(request)
+        if shut:
+            conn.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    return reply
+
+
+@pytest.fixture
+def port_with_routes() -> Iterator[tuple[HttpPort, dict[str, int]]]:
+    calls = {"big": 0}
+    big = b"x" * (16 * 1024 * 1024)  # far more than a socket buffer holds
+
+    def ok() -> Answer:
+        return HTTPStatus.OK, b"fine\n", TEXT
+
+    def broken() -> Answer:
+        raise RuntimeError("a bug in a route")
+
+    def large() -> Answer:
+        calls["big"] += 1
+        return HTTPStatus.OK, big, "application/octet-stream"
+
+    server = HttpPort({"/ok": ok, "/broken": broken, "/big": large}, "127.0.0.1", 0,
+                      name="test-port").start()
+    try:
+        yield server, calls
+    finally:
+        server.stop()
+
+
+def test_the_core_serves_any_routes_and_lists_them_on_404(
+        port_with_routes: tuple[HttpPort, dict[str, int]]) -> None:
+    server, _ = port_with_routes
+    reply = _exchange(server.port, b"GET /ok?x=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert reply == (b"HTTP/1.0 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                     b"Content-Length: 5\r\n\r\nfine\n")
+    assert _exchange(server.port, b"GET /nope HTTP/1.0\r\n\r\n").endswith(
+        b"\r\n\r\ntry /ok, /broken or /big\n")
+
+
+def test_a_route_that_raises_is_a_500_and_one_log_line(
+        port_with_routes: tuple[HttpPort, dict[str, int]],
+        caplog: pytest.LogCaptureFixture) -> None:
+    server, _ = port_with_routes
+    with caplog.at_level(logging.WARNING, logger="fuse_plugin"):
+        reply = _exchange(server.port, b"GET /broken HTTP/1.0\r\n\r\n")
+        assert reply.startswith(b"HTTP/1.0 500 Internal Server Error\r\n")
+        assert _exchange(server.port, b"GET /ok HTTP/1.0\r\n\r\n").startswith(
+            b"HTTP/1.0 200 ")  # the port lives on
+    (record,) = [r for r in caplog.records if r.getMessage() == "test-port.error"]
+    assert "a bug in a route" in record.fields["error"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("request_bytes", "status"), [
+    (b"GET /ok HTTP/1.0\r\n", b"200"),  # headers never ended: answered on what came
+    (b"GET /ok", b"400"),  # no version
+])
+def test_a_client_that_half_closes_is_answered_on_what_it_sent(
+        port_with_routes: tuple[HttpPort, dict[str, int]], request_bytes: bytes,
+        status: bytes) -> None:
+    server, _ = port_with_routes
+    reply = _exchange(server.port, request_bytes, shut=True)
+    assert reply.startswith(b"HTTP/1.0 " + status + b" ")
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GET /ok HTTP/1.0\r\n" + b"X-A: b\r\n" * 101 + b"\r\n",  # too many headers
+    b"GET /ok HTTP/1.0\r\nX-A: " + b"b" * 9000 + b"\r\n\r\n",  # a header too long
+    b"GET /ok HTTP/1.0\r\nX-A: " + b"b" * 20000,  # ... and never ended
+])
+def test_a_request_head_over_the_bounds_is_a_400(
+        port_with_routes: tuple[HttpPort, dict[str, int]], request_bytes: bytes) -> None:
+    server, _ = port_with_routes
+    assert _exchange(server.port, request_bytes).startswith(b"HTTP/1.0 400 ")
+
+
+def test_a_client_that_does_not_read_its_answer_blocks_nobody(
+        port_with_routes: tuple[HttpPort, dict[str, int]]) -> None:
+    """Answers are written without blocking: while 16 MiB wait for a reader that does not
+    read, the port answers others; the slow reader still gets every byte."""
+    server, calls = port_with_routes
+    with socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE) as slow:
+        slow.sendall(b"GET /big HTTP/1.0\r\n\r\n")
+        eventually(lambda: calls["big"] == 1, "the large answer being made")
+        for _ in range(5):
+            assert _exchange(server.port, b"GET /ok HTTP/1.0\r\n\r\n").startswith(
+                b"HTTP/1.0 200 ")
+        reply = b""
+        while chunk := slow.recv(1 << 20):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert b"Content-Length: 16777216" in head
+    assert len(body) == 16 * 1024 * 1024
+
+
+def test_stop_returns_with_a_connection_open_and_closes_it() -> None:
+    """stop() does not wait for clients: the thread ends, every socket is closed."""
+    server = HttpPort({}, "127.0.0.1", 0).start()
+    port = server.port
+    idle = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE)
+    try:
+        assert _exchange(port, b"GET / HTTP/1.0\r\n\r\n").endswith(b"\r\n\r\nnot found\n")
+        server.stop()
+        assert idle.recv(1) == b""
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=DEADLINE).close()
+    finally:
+        idle.close()

@@ -178,6 +178,8 @@ def test_json_logs_are_one_object_per_line(kubelet: KubeletStandIn,
 @pytest.mark.parametrize(("args", "message"), [
     (["--slots", "0"], "--slots: must be a whole number from 1 to 100000, got '0'"),
     (["--slots", "many"], "--slots: must be a whole number"),
+    (["--slots", " 5"], "--slots: must be a whole number from 1 to 100000, got ' 5'"),
+    (["--metrics-port", " 80"], "--metrics-port: must be a TCP port from 0 to 65535, got ' 80'"),
     (["--resource-name", "fuse"], "not an extended resource name"),
     (["--resource-name", "kubernetes.io/fuse"], "reserved for native resources"),
     (["--resource-name", "Github.com/fuse"], "not a lowercase DNS subdomain"),

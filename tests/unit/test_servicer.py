@@ -217,6 +217,33 @@ def test_allocations_and_refusals_reach_the_stats(server: grpc_testing.Server,
     assert (counts.allocations, counts.refusals) == (2, 1)
 
 
+LONG_ID = "fuse-" + "9" * 100_000
+LONG_SHOWN = f"{LONG_ID[:64]}... ({len(LONG_ID)} characters)"
+
+
+def test_allocate_refusal_and_its_log_show_each_id_bounded(
+        server: grpc_testing.Server, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="test"):
+        _, code, details = allocate(server, [LONG_ID, "gpu-0"])
+    assert code is grpc.StatusCode.INVALID_ARGUMENT
+    assert details == f"unknown device IDs: {LONG_SHOWN}, gpu-0"
+    (record,) = [r for r in caplog.records if r.getMessage() == "allocate.refused"]
+    fields = record.fields  # type: ignore[attr-defined]
+    assert fields["ids"] == [LONG_SHOWN, "gpu-0"]
+    assert fields["count"] == 2
+
+
+def test_preferred_allocation_refusal_shows_each_id_bounded(
+        server: grpc_testing.Server) -> None:
+    request = api.PreferredAllocationRequest(container_requests=[
+        api.ContainerPreferredAllocationRequest(available_deviceIDs=["fuse-0"],
+                                                must_include_deviceIDs=[LONG_ID, "x"],
+                                                allocation_size=2)])
+    _, code, details = unary(server, "GetPreferredAllocation", request)
+    assert code is grpc.StatusCode.INVALID_ARGUMENT
+    assert details == f"must_include_deviceIDs not in available_deviceIDs: {LONG_SHOWN}, x"
+
+
 @pytest.mark.parametrize("odd", ["fuse-\N{SUPERSCRIPT TWO}", "fuse-" + "9" * 5000,
                                  "fuse--1", "gpu-0", ""])
 def test_preferred_allocation_ranks_ids_that_are_not_ours_last(server: grpc_testing.Server,
@@ -314,3 +341,16 @@ def test_bytes_that_do_not_parse_are_an_invalid_argument(
     assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "does not parse" in (refused.value.details() or "")
     assert stats.snapshot().refusals == 1
+
+
+def test_a_3_mib_id_off_the_wire_is_an_invalid_argument(
+        wire: tuple[FusePlugin, grpc.UnaryUnaryMultiCallable[bytes, bytes]]) -> None:
+    """The refusal travels in a header gRPC caps at 16 KiB: naming the whole ID made it
+    RESOURCE_EXHAUSTED, which tells the kubelet nothing about what was wrong."""
+    _, call = wire
+    huge = "fuse-" + "7" * (3 * 1024 * 1024)
+    with pytest.raises(grpc.RpcError) as refused:
+        call(_request([huge]), timeout=10)
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == (
+        f"unknown device IDs: {huge[:64]}... ({len(huge)} characters)")
