@@ -15,6 +15,7 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 from fuse_plugin import logs
+from fuse_plugin.errors import Failure
 
 if TYPE_CHECKING:
     from fuse_plugin.broker.server import Broker, BrokerSettings
@@ -75,10 +76,15 @@ def serve_probes(broker: Broker, settings: BrokerSettings, log: logging.Logger
                  ) -> Iterator[int]:
     from fuse_plugin.http_port import HttpPort
 
-    port = HttpPort({"/healthz": lambda: health(broker),
-                     "/readyz": lambda: readiness(broker),
-                     "/metrics": lambda: exposition(broker)},
-                    settings.metrics_address, settings.metrics_port)
+    try:
+        port = HttpPort({"/healthz": lambda: health(broker),
+                         "/readyz": lambda: readiness(broker),
+                         "/metrics": lambda: exposition(broker)},
+                        settings.metrics_address, settings.metrics_port, name="probes",
+                        log=log)
+    except OSError as err:
+        raise Failure(f"cannot serve metrics on {settings.metrics_address}:"
+                      f"{settings.metrics_port}: {err.strerror or err}") from None
     port.start()
     logs.event(log, "metrics.serving", address=settings.metrics_address, port=port.port)
     try:

@@ -131,12 +131,12 @@ def command(args: argparse.Namespace) -> int:
     log = logs.setup(settings.log_format, settings.log_level)
     broker = Broker(settings, log)
     stop_on_signals(log, broker.stop)
-    broker.start()
     with contextlib.ExitStack() as stack:
-        if settings.metrics_port:
+        if settings.metrics_port:  # first: answering (not ready) from the start
             from fuse_plugin.broker.probes import serve_probes
 
             stack.enter_context(serve_probes(broker, settings, log))
+        broker.start()
         return broker.run()
 
 

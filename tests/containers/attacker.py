@@ -201,7 +201,8 @@ def cmd_silent(args: argparse.Namespace) -> dict[str, Any]:
         return {"opened": len(opened)}
     with connect() as last:
         send(last, [f"v={VERSION}", "op=unmount", "path=/nonexistent"])
-    held, refused = [], collections.Counter()
+    held: list[socket.socket] = []
+    refused: collections.Counter[str] = collections.Counter()
     for sock in opened:
         sock.setblocking(False)
         try:

@@ -138,7 +138,7 @@ def test_s3fs_as_a_uid_with_no_passwd_entry(
 
 
 @pytest.mark.parametrize("uid", [0, TENANT], ids=["root inside", "uid 1000 inside"])
-def test_user_namespaced_pods_mount_as_themselves(
+def test_user_namespaced_pods_mount_as_themselves(  # noqa: PLR0917
         broker_allocation: api.ContainerAllocateResponse, broker: BrokerProcess,
         runc: oci.Runc, sshd: Sshd, tmp_path: Path, fuse_0666: None, uid: int) -> None:
     """hostUsers: false. The superblock belongs to the pod's user namespace, so the

@@ -615,6 +615,44 @@ def test_a_helper_past_its_deadline_is_killed_and_the_caller_told(
     assert not loop.is_alive()
 
 
+def test_the_brokers_probes_and_metrics(root: None, shim: Path, tmp_path: Path) -> None:
+    """/healthz while the loop turns, /readyz while its socket is the one at the path,
+    /metrics with the refusals by kind."""
+    from tests.unit.test_metrics import free_port, get
+
+    port = free_port()
+    broker = broker_rig.BrokerProcess(tmp_path / "dir", tmp_path / "b", shim,
+                                      "--metrics-port", str(port)).start()
+    try:
+        assert get(port, "/healthz") == (200, "ok\n")
+        assert get(port, "/readyz") == (200, "ready\n")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.connect(str(broker.socket))
+            sock.send(protocol.encode(v="2", op="unmount", path="/etc/x"))
+            sock.recv(protocol.MAX_MESSAGE)
+        code, text = get(port, "/metrics")
+        assert code == 200
+        assert 'fuse_mount_broker_refusals_total{kind="path"} 1.0' in text
+        assert 'fuse_mount_broker_requests_total{op="mount"} 0.0' in text
+        broker.socket.unlink()  # another process took the path: not ready any more
+        assert get(port, "/readyz")[0] == 503
+    finally:
+        broker.stop()
+
+
+def test_liveness_fails_when_the_loop_has_stopped_turning(tmp_path: Path) -> None:
+    """The loop turns every second whatever tenants do; one that has not turned for
+    STUCK_AFTER is stuck, and the kubelet should restart the broker."""
+    from fuse_plugin.broker import probes
+
+    broker = Broker(BrokerSettings(directory=tmp_path), logging.getLogger("test"))
+    assert probes.health(broker)[0] == 200
+    broker.turned -= probes.STUCK_AFTER + 1
+    code, body, _ = probes.health(broker)
+    assert code == 503
+    assert b"the loop has not turned for" in body
+
+
 # epoll_wait and epoll_pwait on x86-64 and arm64 (asm-generic has only epoll_pwait).
 EPOLL_WAITS = {"232", "281", "22"}
 
