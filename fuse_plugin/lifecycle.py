@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.api import ObservedWatch
 
-from fuse_plugin import logs
+from fuse_plugin import files, logs, sockets
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.config import API_VERSION, Settings
@@ -52,30 +51,6 @@ STUCK_AFTER = 3 * SAFETY_INTERVAL
 # restarting kubelet reset mid-write could outlive the channel that made it.
 REGISTER_CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1),
                             ("grpc.enable_retries", 0)]
-
-Identity = tuple[int, int]
-
-
-def _identity(path: Path, directory: bool = False) -> Identity | None:
-    """Inode and ctime together: ext4 hands a re-created file the same inode. For a
-    directory, device and inode: its ctime moves with every entry made in it."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino) if directory else (st.st_ino, st.st_ctime_ns)
-
-
-def _accepts(path: Path) -> bool:
-    """True when a process is listening on the unix socket at ``path``: not stale."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(os.fsencode(path))
-        except OSError:
-            return False
-    return True
-
 
 @dataclass
 class Status:
@@ -128,8 +103,8 @@ class Lifecycle:
         self._marks_lock = threading.Lock()
         self._need_serve = True
         self._need_register = True
-        self._kubelet_seen: Identity | None = None
-        self._our_socket: Identity | None = None
+        self._kubelet_seen: files.Identity | None = None
+        self._our_socket: files.Identity | None = None
         self._server: grpc.Server | None = None
         self._pending: tuple[grpc.Future[api.Empty], grpc.Channel, float] | None = None
         self._register_started = 0.0
@@ -142,7 +117,7 @@ class Lifecycle:
         # Its threads wake every `timeout` s to check for stop; the safety net is as slow.
         self._observer = Observer(timeout=SAFETY_INTERVAL)
         self._handler = _Events(self)
-        self._watches: dict[Path, tuple[ObservedWatch, Identity | None]] = {}
+        self._watches: dict[Path, tuple[ObservedWatch, files.Identity | None]] = {}
         self._running = False
 
     # -- called from other threads -------------------------------------------------
@@ -247,7 +222,7 @@ class Lifecycle:
 
     def _kubelet_changed(self) -> None:
         """kubelet.sock appeared, went or was replaced: decide whether to register."""
-        kubelet = _identity(self.settings.kubelet_socket)
+        kubelet = files.identity(self.settings.kubelet_socket)
         if kubelet is None:
             if self.status.registered:
                 logs.event(self._log, "kubelet.gone",
@@ -266,7 +241,9 @@ class Lifecycle:
 
     def _watch_targets(self) -> list[Path]:
         targets = [self.settings.device_plugin_dir, self.settings.device_plugin_dir.parent]
-        for extra in (self.settings.fuse_device.parent, self.settings.broker_dir):
+        broker = self.settings.broker_dir
+        # The broker's directory and its parent: the broker may make it after we start.
+        for extra in (self.settings.fuse_device.parent, broker, broker and broker.parent):
             if extra is not None and extra not in targets:
                 targets.append(extra)
         return targets
@@ -278,7 +255,7 @@ class Lifecycle:
         as well tells us when it comes back, so the watch is re-armed at once.
         """
         for path in self._watch_targets():
-            identity = _identity(path, directory=True)
+            identity = files.identity(path, directory=True)
             watched = self._watches.get(path)
             if watched is not None and watched[1] == identity and identity is not None:
                 continue
@@ -305,7 +282,7 @@ class Lifecycle:
         stale one, the old one when re-serving): an event only means "re-serve" if the
         file at the path is no longer ours. "No file" is never "our file".
         """
-        current = _identity(self.settings.socket_path)
+        current = files.identity(self.settings.socket_path)
         return self._server is not None and current is not None and \
             current == self._our_socket
 
@@ -316,7 +293,7 @@ class Lifecycle:
         path = self.settings.socket_path
         self._stop_server()
         if path.exists() or path.is_symlink():
-            if _accepts(path):
+            if sockets.serving(path):
                 if not self._in_use_logged:
                     logs.event(self._log, "socket.in_use", logging.WARNING, socket=str(path),
                                reason="another process serves this socket; waiting")
@@ -344,7 +321,7 @@ class Lifecycle:
             self._serve_failed(reason)
             return
         server.start()
-        identity = _identity(path)
+        identity = files.identity(path)
         self._server = server
         if identity is None:
             # Deleted between bind and now (a kubelet wiping the directory): serve again.
@@ -382,7 +359,7 @@ class Lifecycle:
 
     def _register(self) -> None:
         kubelet = self.settings.kubelet_socket
-        identity = _identity(kubelet)
+        identity = files.identity(kubelet)
         if identity is None:
             return
         if not self.owns_socket():
@@ -458,7 +435,7 @@ class Lifecycle:
             self._retry_at = 0.0
         if self._pending is not None and time.monotonic() > self._pending[2]:
             self._cancel_register()  # a lost completion: never wait on it for good
-        kubelet = _identity(self.settings.kubelet_socket)
+        kubelet = files.identity(self.settings.kubelet_socket)
         if kubelet is None or kubelet != self._kubelet_seen or not self.status.registered:
             self._kubelet_changed()
 
@@ -470,7 +447,7 @@ class Lifecycle:
             self._server.stop(grace=STOP_GRACE).wait()
         # Remove the socket only if it is still ours: a successor may have replaced it.
         ours = self._our_socket
-        if ours is not None and _identity(self.settings.socket_path) == ours:
+        if ours is not None and files.identity(self.settings.socket_path) == ours:
             self.settings.socket_path.unlink(missing_ok=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.status.serving = False

@@ -69,10 +69,15 @@ class Caller:
         policy.caller(root, maps_node_root)
 
     def alive(self) -> bool:
+        """Signal 0 through the pidfd: ESRCH once the process is gone. A caller of
+        another uid answers EPERM (the broker holds no CAP_KILL), which also says it is
+        there."""
         try:
             signal.pidfd_send_signal(self.pidfd, 0)
         except ProcessLookupError:
             return False
+        except PermissionError:
+            return True
         return True
 
     def close(self) -> None:
@@ -118,13 +123,15 @@ def identify(conn: socket.socket) -> Caller:
 
 
 def _cgroup(pid: int) -> str:
-    """The caller's cgroup: the unified one, else the devices controller's (the one
-    Allocate's rule is written in), else the first listed."""
+    """The caller's cgroup: the devices controller's (cgroup v1: the one Allocate's rule
+    is written in), else the unified one (v2), else the first listed. On a hybrid host
+    the unified line may be "/" for every container, so it comes second."""
     with open(f"/proc/{pid}/cgroup") as text:
         lines = [line.split(":", 2) for line in text.read().splitlines() if line.count(":") >= 2]
-    for _, controllers, path in lines:
-        if controllers == "" or "devices" in controllers.split(","):
-            return path
+    for want in (lambda c: "devices" in c.split(","), lambda c: c == ""):
+        for _, controllers, path in lines:
+            if want(controllers):
+                return path
     return lines[0][2] if lines else "/"
 
 

@@ -653,6 +653,22 @@ def test_liveness_fails_when_the_loop_has_stopped_turning(tmp_path: Path) -> Non
     assert b"the loop has not turned for" in body
 
 
+def test_a_caller_of_another_uid_is_alive_to_a_broker_without_cap_kill(root: None) -> None:
+    """The DaemonSet grants no CAP_KILL, so signal 0 to a non-root caller answers EPERM:
+    that process is there (a kubelet stage caught every non-root caller refused)."""
+    code = ("import os, subprocess, sys; from fuse_plugin.broker.caller import Caller\n"
+            "p = subprocess.Popen(['setpriv', '--reuid=1000', '--regid=1000', "
+            "'--clear-groups', 'sleep', '30'])\n"
+            "c = Caller(pid=p.pid, uid=1000, gid=1000, pidfd=os.pidfd_open(p.pid), "
+            "container='')\n"
+            "alive = c.alive(); p.kill(); p.wait()\n"
+            "print(alive, c.alive())")
+    result = subprocess.run(["setpriv", "--inh-caps=-kill", "--bounding-set=-kill", "--",
+                             sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=30, check=False)
+    assert result.stdout.split() == ["True", "False"], result.stderr
+
+
 # epoll_wait and epoll_pwait on x86-64 and arm64 (asm-generic has only epoll_pwait).
 EPOLL_WAITS = {"232", "281", "22"}
 
