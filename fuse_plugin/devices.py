@@ -35,20 +35,43 @@ class Probe:
 Prober = Callable[[Path], "Probe"]
 
 
-def probe(path: Path) -> Probe:
-    """Check that ``path`` is the FUSE character device (10:229)."""
+@dataclass(frozen=True)
+class DeviceNode:
+    """What stat() says about the path meant to be the FUSE device: the plugin's health
+    and the doctor's check both read it from here."""
+
+    problem: str  # "" when it is char 10:229
+    missing: bool = False  # no such file (as opposed to unreadable or the wrong kind)
+    unreadable: bool = False
+    mode: int = 0
+    uid: int = 0
+
+
+def examine(path: Path, shown: Path | None = None) -> DeviceNode:
+    """Look at ``path``; messages name ``shown`` (the node's own path, for a doctor that
+    reads the node under another root)."""
+    name = shown or path
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        return Probe(Health.UNHEALTHY, f"{path} does not exist")
+        return DeviceNode(f"{name} does not exist", missing=True)
     except OSError as err:
-        return Probe(Health.UNHEALTHY, f"{path}: {err.strerror}")
+        return DeviceNode(f"{name}: {err.strerror}", unreadable=True)
+    mode = stat.S_IMODE(st.st_mode)
     if not stat.S_ISCHR(st.st_mode):
-        return Probe(Health.UNHEALTHY, f"{path} is not a character device")
+        return DeviceNode(f"{name} is not a character device", mode=mode, uid=st.st_uid)
     found = (os.major(st.st_rdev), os.minor(st.st_rdev))
     if found != (FUSE_MAJOR, FUSE_MINOR):
-        return Probe(Health.UNHEALTHY,
-                     f"{path} is char {found[0]}:{found[1]}, not {FUSE_MAJOR}:{FUSE_MINOR}")
+        return DeviceNode(f"{name} is char {found[0]}:{found[1]}, not "
+                          f"{FUSE_MAJOR}:{FUSE_MINOR}", mode=mode, uid=st.st_uid)
+    return DeviceNode("", mode=mode, uid=st.st_uid)
+
+
+def probe(path: Path) -> Probe:
+    """Healthy exactly while ``path`` is the FUSE character device (10:229)."""
+    node = examine(path)
+    if node.problem:
+        return Probe(Health.UNHEALTHY, node.problem)
     return Probe(Health.HEALTHY, f"{path} is char {FUSE_MAJOR}:{FUSE_MINOR}")
 
 

@@ -115,6 +115,20 @@ def _require_regular(st: os.stat_result) -> None:
         raise NotReadable(f"{describe(st.st_mode)}, not a regular file")
 
 
+Identity = tuple[int, int]
+
+
+def identity(path: Path, directory: bool = False) -> Identity | None:
+    """What tells a file from one made anew at the same path, or None when there is
+    none: inode and ctime together (ext4 hands a re-created file the same inode); for a
+    directory, device and inode (its ctime moves with every entry made in it)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if directory else (st.st_ino, st.st_ctime_ns)
+
+
 def describe(mode: int) -> str:
     """A file type in words: 'a directory', 'a FIFO', ..."""
     for test, words in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),

@@ -32,14 +32,13 @@ import os
 import selectors
 import signal
 import socket
-import stat
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fuse_plugin import config, files, logs
+from fuse_plugin import config, files, logs, sockets
 from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker import mountinfo, policy, protocol, records
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
@@ -176,7 +175,7 @@ class Broker:
         self.mounts_held: dict[str, int] = {}
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
-        self._inode = 0
+        self._identity: files.Identity | None = None
         self._mark = policy.Mark("", "")
         # Wakes the loop: signals (set_wakeup_fd, armed in start) and stop().
         self._wake_r, self._wake_w = socket.socketpair()
@@ -232,13 +231,9 @@ class Broker:
     def _listen(self) -> None:
         path = self.socket_path
         if path.is_socket():
-            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
-                try:
-                    probe.connect(str(path))
-                except OSError:
-                    path.unlink()  # left by a broker that was killed
-                else:
-                    raise Failure(f"another broker is serving on {path}")
+            if sockets.serving(path, socket.SOCK_SEQPACKET):
+                raise Failure(f"another broker is serving on {path}")
+            path.unlink()  # left by a broker that was killed
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # Before bind: connections inherit it, so no client can queue a descriptor.
         try:
@@ -251,7 +246,7 @@ class Broker:
         os.chmod(path, 0o666)
         listener.listen(128)
         listener.setblocking(False)
-        self._inode = os.stat(path).st_ino
+        self._identity = files.identity(path)
         self._listener = listener
         self._selector.register(listener, selectors.EVENT_READ, "listen")
 
@@ -260,11 +255,13 @@ class Broker:
         """Ready: listening, and the socket at the path is still ours."""
         if self._listener is None or self._stopping:
             return False
-        try:
-            st = os.lstat(self.socket_path)
-        except OSError:
-            return False
-        return stat.S_ISSOCK(st.st_mode) and st.st_ino == self._inode
+        return self._owns_socket()
+
+    def _owns_socket(self) -> bool:
+        """The socket file at the path is the one this broker bound ("no file" is never
+        "our file")."""
+        current = files.identity(self.socket_path)
+        return current is not None and current == self._identity
 
     def stop(self) -> None:
         """Stop the loop from any thread (SIGTERM's handler calls this from a thread of
@@ -278,9 +275,8 @@ class Broker:
             with contextlib.suppress(KeyError):  # unregistered while accepting paused
                 self._selector.unregister(self._listener)
             self._listener.close()
-            with contextlib.suppress(OSError):
-                st = os.lstat(self.socket_path)
-                if stat.S_ISSOCK(st.st_mode) and st.st_ino == self._inode:
+            if self._owns_socket():
+                with contextlib.suppress(OSError):
                     self.socket_path.unlink()
             self._listener = None
         waiting = list(self._waiting.values())

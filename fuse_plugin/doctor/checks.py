@@ -16,18 +16,16 @@ import enum
 import errno
 import json
 import os
-import socket
 import stat
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from fuse_plugin import config, files
-from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR
+from fuse_plugin import config, files, sockets
+from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR, examine
 from fuse_plugin.errors import Failure
-from fuse_plugin.profiles import lint, presets
+from fuse_plugin.profiles import install, lint, presets
 
 # The presets, names and paths are the generator's own, so the doctor checks for exactly
 # what `profile` generates and `install-profiles` installs.
@@ -37,8 +35,6 @@ DEFAULT_SECCOMP_DIR = presets.DEFAULT_SECCOMP_DIR
 # "hung" rather than "slow".
 PLUGIN_TIMEOUT = 2.0
 CONNECT_TIMEOUT = 1.0
-# sockaddr_un.sun_path holds 108 bytes including the NUL; deep trees need a detour.
-SUN_PATH_MAX = 107
 OUTPUTS = ("text", "json")
 
 
@@ -135,33 +131,27 @@ def check_fuse_filesystem(node: Node) -> Check:
 
 
 def check_device(node: Node) -> list[Check]:
-    """The node itself (char 10:229), then its mode: 0600 locks out non-root openers."""
+    """The node itself (char 10:229, as the plugin's health reads it), then its mode:
+    0600 locks out non-root openers."""
     name, shown = "fuse device", node.fuse_device
     recreate = f"mknod -m 0666 {shown} c {FUSE_MAJOR} {FUSE_MINOR} (or modprobe fuse)"
-    try:
-        st = os.stat(node.at(shown))
-    except FileNotFoundError:
-        return [Check(name, Verdict.FAIL, f"{shown} does not exist", recreate)]
-    except OSError as err:
-        return [Check(name, Verdict.FAIL, f"{shown}: {err.strerror}", "run the doctor as root")]
-    if not stat.S_ISCHR(st.st_mode):
-        return [Check(name, Verdict.FAIL, f"{shown} is not a character device",
-                      f"remove it, then {recreate}")]
-    found = (os.major(st.st_rdev), os.minor(st.st_rdev))
-    if found != (FUSE_MAJOR, FUSE_MINOR):
-        return [Check(name, Verdict.FAIL,
-                      f"{shown} is char {found[0]}:{found[1]}, not {FUSE_MAJOR}:{FUSE_MINOR}",
-                      f"remove it, then {recreate}")]
+    found = examine(node.at(shown), Path(shown))
+    if found.missing:
+        return [Check(name, Verdict.FAIL, found.problem, recreate)]
+    if found.unreadable:
+        return [Check(name, Verdict.FAIL, found.problem, "run the doctor as root")]
+    if found.problem:
+        return [Check(name, Verdict.FAIL, found.problem, f"remove it, then {recreate}")]
     checks = [Check(name, Verdict.OK, f"{shown} is char {FUSE_MAJOR}:{FUSE_MINOR}")]
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o666 == 0o666:
+    if found.mode & 0o666 == 0o666:
         checks.append(Check("fuse device mode", Verdict.OK,
-                            f"{mode:04o}: every user can open it"))
+                            f"{found.mode:04o}: every user can open it"))
     else:
         checks.append(Check(
             "fuse device mode", Verdict.WARN,
-            f"{mode:04o}: only its owner (uid {st.st_uid}) can open it; non-root fusermount3 "
-            "and user-namespaced pods (hostUsers: false) get Permission denied",
+            f"{found.mode:04o}: only its owner (uid {found.uid}) can open it; non-root "
+            "fusermount3, non-root and user-namespaced pods (hostUsers: false) get "
+            "Permission denied",
             f"chmod 0666 {shown}; keep it with a udev rule: KERNEL==\"fuse\", MODE=\"0666\""))
     return checks
 
@@ -177,31 +167,6 @@ def check_plugin_dir(node: Node) -> Check:
     return Check(name, Verdict.FAIL, f"{shown} does not exist",
                  "is the kubelet running (it creates the dir)? is --device-plugin-dir right? "
                  "in a pod, mount the dir as a hostPath volume")
-
-
-@contextmanager
-def _dialable(path: Path) -> Iterator[str]:
-    """A name for ``path`` short enough for connect(2): itself, or one via /proc/self/fd."""
-    if len(os.fsencode(path)) <= SUN_PATH_MAX:
-        yield str(path)
-        return
-    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
-    try:
-        yield f"/proc/self/fd/{fd}/{path.name}"
-    finally:
-        os.close(fd)
-
-
-def _connect(path: Path) -> OSError | None:
-    """Open and close one connection: tells a live socket from a stale file at once."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(CONNECT_TIMEOUT)
-        try:
-            with _dialable(path) as target:
-                sock.connect(target)
-        except OSError as err:
-            return err
-    return None
 
 
 def _socket_file_problem(name: str, real: Path, shown: Path, whose: str,
@@ -225,7 +190,7 @@ def _socket_problem(name: str, node: Node, shown: Path, whose: str,
     problem = _socket_file_problem(name, real, shown, whose, restart)
     if problem is not None:
         return problem
-    refused = _connect(real)
+    refused = sockets.refusal(real, timeout=CONNECT_TIMEOUT)
     if refused is None:
         return None
     if refused.errno == errno.ECONNREFUSED:
@@ -257,7 +222,8 @@ def check_plugin_socket(node: Node, timeout: float = PLUGIN_TIMEOUT) -> Check:
     from fuse_plugin.api import api_pb2 as api
     from fuse_plugin.api import api_pb2_grpc
 
-    with _dialable(node.at(shown)) as target, grpc.insecure_channel(f"unix:{target}") as channel:
+    with sockets.dialable(node.at(shown)) as target, \
+            grpc.insecure_channel(f"unix:{target}") as channel:
         try:
             options = api_pb2_grpc.DevicePluginStub(channel).GetDevicePluginOptions(
                 api.Empty(), timeout=timeout, wait_for_ready=True)
@@ -299,7 +265,7 @@ def check_apparmor(node: Node) -> list[Check]:
                       without)]
     except (OSError, CannotRead) as err:
         return [Check(name, Verdict.WARN, f"cannot read {path}: {_why(err)}", without)]
-    if enabled != "Y":
+    if not install.apparmor_enabled(enabled):
         return [Check(name, Verdict.WARN, f"AppArmor is disabled in the kernel ({path}: "
                       f"{' '.join(enabled.split())[:20] or 'empty'})", without)]
     checks = [Check(name, Verdict.OK, "AppArmor is enabled in the kernel")]
@@ -314,11 +280,7 @@ def check_apparmor(node: Node) -> list[Check]:
         checks.append(Check("apparmor profiles", Verdict.WARN,
                             f"cannot read {listing}: {_why(err)}", "run the doctor as root"))
         return checks
-    loaded: dict[str, str] = {}
-    for line in text.splitlines():
-        profile, _, flavour = line.rpartition(" (")
-        if profile:
-            loaded[profile] = flavour.rstrip(")")
+    loaded = install.parse_loaded(text)
     missing = Verdict.FAIL if node.strict_presets else Verdict.WARN
     results: list[tuple[str, Verdict, str]] = []
     for preset in node.presets:

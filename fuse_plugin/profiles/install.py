@@ -111,19 +111,29 @@ def kernel_apparmor(paths: NodePaths) -> tuple[bool, str]:
         if paths.securityfs.is_dir():
             return True, f"{paths.securityfs} exists"
         return False, f"neither {paths.apparmor_enabled} nor {paths.securityfs} exists"
-    if enabled.upper().startswith("Y"):
+    if apparmor_enabled(enabled):
         return True, f"{paths.apparmor_enabled} is {enabled}"
     return False, f"{paths.apparmor_enabled} is {enabled!r}"
 
 
-def loaded_profiles(paths: NodePaths) -> dict[str, str]:
+def apparmor_enabled(parameter: str) -> bool:
+    """The kernel's ``apparmor/parameters/enabled`` says yes ("Y"); the doctor reads the
+    same parameter through this too."""
+    return parameter.strip().upper().startswith("Y")
+
+
+def parse_loaded(listing: str) -> dict[str, str]:
     """Profile name -> mode, from the kernel's list (``name (enforce)`` per line)."""
     loaded = {}
-    for line in paths.loaded_profiles.read_text().splitlines():
+    for line in listing.splitlines():
         name, _, mode = line.rpartition(" (")
         if name:
             loaded[name] = mode.rstrip(")")
     return loaded
+
+
+def loaded_profiles(paths: NodePaths) -> dict[str, str]:
+    return parse_loaded(paths.loaded_profiles.read_text())
 
 
 def snapshot_dir(source: Path) -> Path:
@@ -330,7 +340,7 @@ class Installer:
                     self._settle()
                 elif source_fingerprint(self.paths.source) == seen:
                     continue
-                if _identity(self.paths.source) != watched:
+                if files.identity(self.paths.source, directory=True) != watched:
                     watched = self._watch(observer)
                 logs.event(self.log, "source_changed", source=str(self.paths.source),
                            seen_by="watch" if woken else "recheck")
@@ -345,7 +355,7 @@ class Installer:
         """Put the one watch on the source directory as it is now; its identity, or None
         while it is missing (the re-check tries again)."""
         observer.unschedule_all()
-        identity = _identity(self.paths.source)
+        identity = files.identity(self.paths.source, directory=True)
         if identity is None:
             return None
         try:
@@ -385,15 +395,6 @@ class _Wake(FileSystemEventHandler):
             self.changed.set()
 
 
-def _identity(path: Path) -> tuple[int, int] | None:
-    """(device, inode) of ``path``: a directory made anew is another one."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
 def source_fingerprint(source: Path) -> tuple[object, ...] | None:
     """What changes when the source does, from stat() alone (cheap enough to poll): the
     directory's identity, the snapshot ``..data`` points at, and each visible file's
@@ -411,7 +412,7 @@ def source_fingerprint(source: Path) -> tuple[object, ...] | None:
                 entries.append((entry.name, 0, 0, 0))
     except OSError:
         return None
-    return _identity(source), str(directory), tuple(entries)
+    return files.identity(source, directory=True), str(directory), tuple(entries)
 
 
 def _read_dir(directory: Path) -> list[tuple[str, bytes | Rejected]]:

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import pytest
 
-from fuse_plugin import cli, logs, plugin
+from fuse_plugin import cli, logs, plugin, sockets
 from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.config import Settings
 from fuse_plugin.devices import DeviceState
@@ -349,7 +349,7 @@ def test_plugin_socket_deeper_than_a_socket_name_allows(tmp_path: Path) -> None:
     deep.mkdir(parents=True)
     (deep / PLUGIN_DIR).mkdir(parents=True)
     target = deep / PLUGIN_DIR / SOCKET
-    assert len(os.fsencode(target)) > doctor.SUN_PATH_MAX
+    assert len(os.fsencode(target)) > sockets.SUN_PATH_MAX
     short = Path(tempfile.mkdtemp(prefix="fdp-", dir="/tmp"))
     try:
         with answering_moved(short / "p.sock", make_device(deep), target):

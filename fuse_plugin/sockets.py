@@ -1,0 +1,46 @@
+"""Whether a unix socket on the node is alive: the one way the plugin (its own socket
+left by a crash?), the broker (another broker on its path?) and the doctor (the kubelet's
+and the plugin's sockets) tell a serving socket from a stale file."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+CONNECT_TIMEOUT = 1.0
+# sockaddr_un.sun_path holds 108 bytes including the NUL; deeper paths need a detour.
+SUN_PATH_MAX = 107
+
+
+@contextmanager
+def dialable(path: Path) -> Iterator[str]:
+    """A name for ``path`` short enough for connect(2): itself, or one via /proc/self/fd."""
+    if len(os.fsencode(path)) <= SUN_PATH_MAX:
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
+
+
+def refusal(path: Path, kind: int = socket.SOCK_STREAM,
+            timeout: float = CONNECT_TIMEOUT) -> OSError | None:
+    """Open and close one connection: None when something serves ``path``, else why
+    not (ECONNREFUSED: a stale file; ENOENT: none; ...)."""
+    with socket.socket(socket.AF_UNIX, kind) as sock:
+        sock.settimeout(timeout)
+        try:
+            with dialable(path) as target:
+                sock.connect(target)
+        except OSError as err:
+            return err
+    return None
+
+
+def serving(path: Path, kind: int = socket.SOCK_STREAM) -> bool:
+    return refusal(path, kind) is None
