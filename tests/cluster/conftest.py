@@ -6,6 +6,7 @@ any order."""
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import subprocess
 import sys
@@ -56,8 +57,18 @@ def first_line(*argv: str) -> str:
     return out.splitlines()[0] if out else "?"
 
 
+@pytest.fixture(scope="session")
+def evidence_file() -> Path:
+    """The stage's evidence file, emptied once per run: each module brings up its own
+    cluster, and the second must not wipe the first one's lines."""
+    with contextlib.suppress(OSError):  # not root: `cluster` skips the stage and says why
+        LOGDIR.mkdir(parents=True, exist_ok=True)
+        EVIDENCE.write_text("")
+    return EVIDENCE
+
+
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
+def cluster(evidence_file: Path) -> Iterator[Cluster]:
     reason = node_skip_reason("cluster stage")
     if reason:
         print(f"SKIPPED cluster stage: {reason}", file=sys.stderr)
@@ -71,7 +82,6 @@ def cluster() -> Iterator[Cluster]:
     assert r.returncode == 0, f"setup.sh failed ({r.returncode}):\n{tail(setup_log, 60)}"
     setup_s = time.monotonic() - t0
     c = Cluster()
-    EVIDENCE.write_text("")
     kubectl_path = find_kubectl()  # after setup.sh, which installs the fallback
     if isinstance(kubectl_path, str):
         pytest.skip(kubectl_path)

@@ -5,7 +5,8 @@
 #     for python:3.11-slim and debian:bookworm-slim;
 #   - the plugin image: the repository's Dockerfile, unchanged, with only its documented
 #     PYTHON_IMAGE build argument pointing at that base;
-#   - the example tool images: manifests/examples/Dockerfile, unchanged (its
+#   - the example tool images: manifests/examples/Dockerfile and broker mode's non-root
+#     sshfs image, manifests/broker/examples/Dockerfile, unchanged (their
 #     `FROM debian:bookworm-slim` finds the base under that name in our private storage);
 #   - the servers the examples talk to (sshd, moto): tests/cluster/servers.Dockerfile.
 # Each is tagged with a hash of its inputs and kept in a private podman storage under
@@ -90,6 +91,12 @@ for pkg in s3fs sshfs lxcfs; do
     env_lines+=("EXAMPLE_${pkg^^}_IMAGE=$ref")
     refs+=("$ref")
 done
+# Broker mode's restricted examples run as uid 1000: their image, from the Dockerfile
+# beside them (FROM debian:bookworm-slim too), unchanged.
+ref="$(build fuse-example-sshfs-nonroot \
+    "$(inputs_key "$bkey" manifests/broker/examples/Dockerfile)" "$REPO/manifests/broker/examples")"
+env_lines+=("EXAMPLE_SSHFS_NONROOT_IMAGE=$ref")
+refs+=("$ref")
 servers="$(build fdp-cluster-servers \
     "$(inputs_key "$bkey" tests/cluster/servers.Dockerfile)" "$HERE" \
     --build-arg "BASE=$base" -f "$HERE/servers.Dockerfile")"

@@ -209,31 +209,33 @@ def rollout(kubectl: Kubectl, ds: str) -> str:
                    timeout=200).strip()
 
 
-def wait_mounted(kubectl: Kubectl, api: Api, pod: str, mountpoint: str, fstype: str) -> str:
+def wait_mounted(kubectl: Kubectl, api: Api, pod: str, mountpoint: str, fstype: str, *,
+                 namespace: str = EXAMPLES_NS) -> str:
     """Wait until the pod's container has its FUSE mount; returns the /proc/mounts line."""
     def seen() -> str | None:
-        p = [x for x in api.pods(EXAMPLES_NS) if x["metadata"]["name"] == pod]
+        p = [x for x in api.pods(namespace) if x["metadata"]["name"] == pod]
         if not p or p[0].get("status", {}).get("phase") != "Running":
             return None
-        out = exec_in(kubectl, EXAMPLES_NS, pod, f"grep ' {mountpoint} ' /proc/mounts")
+        out = exec_in(kubectl, namespace, pod, f"grep ' {mountpoint} ' /proc/mounts")
         return out if fstype in out else None
 
     def detail() -> str:
-        p = [x for x in api.pods(EXAMPLES_NS) if x["metadata"]["name"] == pod]
-        logs = kubectl.run("-n", EXAMPLES_NS, "logs", pod, "--tail=20", check=False)
+        p = [x for x in api.pods(namespace) if x["metadata"]["name"] == pod]
+        logs = kubectl.run("-n", namespace, "logs", pod, "--tail=20", check=False)
         return ((pod_summary(p[0]) if p else f"no pod {pod}") + "\nlogs:\n"
                 + (logs.stdout + logs.stderr) + "\n"
-                + json.dumps([e.get("message") for e in api.events(EXAMPLES_NS, pod)]))
+                + json.dumps([e.get("message") for e in api.events(namespace, pod)]))
 
     line: str = wait_for(seen, 120, f"{fstype} mounted at {mountpoint} in {pod}", interval=1,
                          detail=detail)
     return line
 
 
-def seccomp_seen(kubectl: Kubectl, api: Api, pod: str) -> tuple[dict[str, str], str]:
+def seccomp_seen(kubectl: Kubectl, api: Api, pod: str,
+                 namespace: str = EXAMPLES_NS) -> tuple[dict[str, str], str]:
     """The seccomp profile the stored pod names, and the kernel's `Seccomp:` line for its
     container (2: a filter is on)."""
-    p = next(x for x in api.pods(EXAMPLES_NS) if x["metadata"]["name"] == pod)
+    p = next(x for x in api.pods(namespace) if x["metadata"]["name"] == pod)
     profile: dict[str, str] = p["spec"]["containers"][0]["securityContext"]["seccompProfile"]
-    return profile, exec_in(kubectl, EXAMPLES_NS, pod, "grep ^Seccomp: /proc/self/status")
+    return profile, exec_in(kubectl, namespace, pod, "grep ^Seccomp: /proc/self/status")
 

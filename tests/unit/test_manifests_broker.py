@@ -1,13 +1,15 @@
 """Broker mode's manifests (manifests/broker/, a kustomize component, and its examples):
 Kubernetes schemas, the component built onto manifests/, the broker's privileges exactly
-as its header justifies them, agreement with the CLI, and the example pod against the Pod
-Security `baseline` rules (the one-line pod's whole point)."""
+as its header justifies them, agreement with the CLI, and the example pods against the
+Pod Security `baseline` and `restricted` rules (the one-line pod's whole point)."""
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import kubernetes_validate  # type: ignore[import-untyped]
@@ -33,6 +35,7 @@ BROKER_EXAMPLES = BROKER / "examples"
 DAEMONSET = one(BROKER / "broker-daemonset.yaml", "DaemonSet")
 PATCH = one(BROKER / "plugin-broker-mode.yaml", "DaemonSet")
 BROKER_DIR = "/var/lib/fuse-device-plugin/broker"
+STATE_DIR = "/run/fuse-device-plugin/broker"
 
 # Pod Security Standards, `baseline`: the capabilities a container may add.
 BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL",
@@ -69,6 +72,52 @@ def baseline_violations(doc: Doc) -> list[str]:
                 None, "container_t", "container_init_t", "container_kvm_t",
                 "container_engine_t"):
             found.append("SELinux type")
+    return found
+
+
+# Pod Security Standards, `restricted`: the volume types allowed, and the one capability
+# a container may add (after dropping ALL).
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                      "persistentVolumeClaim", "projected", "secret"}
+RESTRICTED_CAPABILITIES = {"NET_BIND_SERVICE"}
+RESTRICTED_SECCOMP = {"RuntimeDefault", "Localhost"}
+
+
+def restricted_violations(doc: Doc) -> list[str]:
+    """The Pod Security `restricted` rules (kubernetes.io/docs/concepts/security/
+    pod-security-standards): every `baseline` rule, then the volume types, privilege
+    escalation, non-root, seccomp and capabilities, each broken one named. A field left
+    out of a container is judged by the pod's, as admission does."""
+    spec = pod_spec(doc)
+    found = baseline_violations(doc)
+    for volume in spec.get("volumes", []):
+        found += [f"volume {volume['name']}: type {kind}"
+                  for kind in sorted(set(volume) - {"name"} - RESTRICTED_VOLUMES)]
+    pod = spec.get("securityContext", {})
+    if pod.get("runAsNonRoot") is False:
+        found.append("pod: runAsNonRoot false")
+    if pod.get("runAsUser") == 0:
+        found.append("pod: runAsUser 0")
+    pod_seccomp = pod.get("seccompProfile", {}).get("type")
+    if pod_seccomp not in (None, *RESTRICTED_SECCOMP):
+        found.append(f"pod: seccomp {pod_seccomp}")
+    for container in containers(doc):
+        name, context = container["name"], container.get("securityContext", {})
+        if context.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{name}: allowPrivilegeEscalation not false")
+        if context.get("runAsNonRoot", pod.get("runAsNonRoot")) is not True:
+            found.append(f"{name}: runAsNonRoot not true")
+        if context.get("runAsUser") == 0:
+            found.append(f"{name}: runAsUser 0")
+        seccomp = context.get("seccompProfile", {}).get("type", pod_seccomp)
+        if seccomp not in RESTRICTED_SECCOMP:
+            found.append(f"{name}: seccomp {seccomp or 'not set'}")
+        capabilities = context.get("capabilities", {})
+        if "ALL" not in capabilities.get("drop", []):
+            found.append(f"{name}: capabilities do not drop ALL")
+        # Those beyond baseline's list are named by baseline_violations already.
+        added = set(capabilities.get("add", [])) & BASELINE_CAPABILITIES
+        found += [f"{name}: adds {cap}" for cap in sorted(added - RESTRICTED_CAPABILITIES)]
     return found
 
 
@@ -125,7 +174,11 @@ def test_component_builds_onto_manifests_and_validates(tmp_path: Path, how: str)
     assert str(config.optional_path(env[config.env_name("--broker-dir")])) == BROKER_DIR
     assert args.command == "serve"
     plain = one(MANIFESTS / "plugin-daemonset.yaml", "DaemonSet")
-    assert host_paths(daemonsets["fuse-device-plugin"]) == host_paths(plain)
+    # One more hostPath, read-only: the plugin reads whether the broker's shim is there.
+    assert host_paths(daemonsets["fuse-device-plugin"]) == {
+        **host_paths(plain), BROKER_DIR: {"path": BROKER_DIR, "type": "DirectoryOrCreate"}}
+    assert {m["mountPath"]: m.get("readOnly") for m in plugin["volumeMounts"]}[
+        BROKER_DIR] is True
     assert plugin["securityContext"] == containers(plain)[0]["securityContext"]
 
 
@@ -150,20 +203,26 @@ def test_broker_has_exactly_the_privileges_its_header_justifies() -> None:
     context = container["securityContext"]
     assert context.get("privileged") is False
     assert context["readOnlyRootFilesystem"] is True
-    assert context["capabilities"] == {"drop": ["ALL"],
-                                       "add": ["SYS_ADMIN", "SYS_CHROOT", "SYS_PTRACE"]}
+    added = context["capabilities"]["add"]
+    assert context["capabilities"]["drop"] == ["ALL"]
+    assert sorted(added) == ["DAC_OVERRIDE", "SETGID", "SETUID", "SYS_ADMIN", "SYS_CHROOT",
+                             "SYS_PTRACE"]
     assert context["appArmorProfile"] == {"type": "Unconfined"}
     assert context["seccompProfile"] == {"type": "Unconfined"}
-    for privilege in ("hostPID", "CAP_SYS_ADMIN", "CAP_SYS_CHROOT", "CAP_SYS_PTRACE",
-                      "AppArmor Unconfined", "seccomp Unconfined", "github.com/fuse: 1",
-                      f"hostPath {BROKER_DIR}"):
+    for privilege in ("hostPID", *(f"CAP_{cap}" for cap in added), "AppArmor Unconfined",
+                      "seccomp Unconfined", f"hostPath {BROKER_DIR}",
+                      f"hostPath {STATE_DIR}"):
         assert privilege in header, f"the header does not justify {privilege}"
-    assert container["resources"]["limits"]["github.com/fuse"] == 1
-    assert host_paths(DAEMONSET) == {BROKER_DIR: {"path": BROKER_DIR,
-                                                  "type": "DirectoryOrCreate"}}
+    # A caller brings its own /dev/fuse: the broker asks for no slot, so it never waits
+    # on the plugin's Allocate, nor gets the shim bound over its own files.
+    assert "github.com/fuse" not in container["resources"].get("limits", {})
+    assert host_paths(DAEMONSET) == {
+        BROKER_DIR: {"path": BROKER_DIR, "type": "DirectoryOrCreate"},
+        STATE_DIR: {"path": STATE_DIR, "type": "DirectoryOrCreate"}}
     assert sorted(baseline_violations(DAEMONSET)) == sorted([
-        "host namespace hostPID", "hostPath volume broker", "broker: adds SYS_ADMIN",
-        "broker: adds SYS_PTRACE", "seccomp Unconfined", "AppArmor Unconfined"])
+        "host namespace hostPID", "hostPath volume broker", "hostPath volume state",
+        "broker: adds SYS_ADMIN", "broker: adds SYS_PTRACE", "seccomp Unconfined",
+        "AppArmor Unconfined"])
 
 
 def test_broker_args_match_the_cli_and_the_plugin_patch() -> None:
@@ -174,11 +233,14 @@ def test_broker_args_match_the_cli_and_the_plugin_patch() -> None:
     [patched] = containers(PATCH)
     assert patched["env"] == [{"name": "FUSE_DEVICE_PLUGIN_BROKER_DIR", "value": BROKER_DIR}]
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
-    assert {BROKER_DIR, str(args.staging_dir)} == mounts
-    # Its own allocation binds the shim over every place below: the real one lives apart.
-    assert str(args.fusermount) not in protocol.SHIM_TARGETS
-    assert args.fusermount != args.shim
+    assert {BROKER_DIR, str(args.state_dir)} == mounts
+    assert str(args.state_dir) == STATE_DIR
     assert args.shim == server.DEFAULT_SHIM
+    # The probes read the port the broker serves.
+    [port] = container["ports"]
+    assert port["containerPort"] == args.metrics_port
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port["name"]}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": port["name"]}
 
 
 def test_broker_example_pod_is_one_line_and_baseline() -> None:
@@ -201,7 +263,7 @@ def test_baseline_check_has_teeth() -> None:
     assert baseline_violations(today) == ["sshfs: adds SYS_ADMIN"]
 
 
-def test_image_ships_the_shim_and_a_real_fusermount3_where_the_broker_looks() -> None:
+def test_image_ships_the_shim_and_its_helper_where_the_broker_looks() -> None:
     from tests.unit.test_dockerfile import BUILDER, RUNTIME
 
     assert BUILDER is not None
@@ -211,9 +273,155 @@ def test_image_ships_the_shim_and_a_real_fusermount3_where_the_broker_looks() ->
     [copy] = [c.value for c in RUNTIME.all("COPY") if built in c.value]
     source, target = copy.split()[1:]
     assert (source.rstrip("/"), target.rstrip("/")) == (built, str(server.DEFAULT_SHIM.parent))
-    [container] = containers(DAEMONSET)
-    args = cli.build_parser().parse_args(container["args"])
-    [install] = [r.value for r in RUNTIME.all("RUN") if " fuse3" in r.value]
-    assert f"/usr/bin/fusermount3 {args.fusermount}" in " ".join(install.split())
+    script = (Path(__file__).parents[2] / "scripts" / "build-native").read_text()
+    assert f"{protocol.SHIM_NAME}:" in script
+    assert "fuse-broker-helper:" in script
     packages = (Path(__file__).parents[2] / "scripts" / "apt-packages.txt").read_text()
     assert {"gcc", "musl-tools"} <= set(packages.split())
+
+
+# -- Pod Security `restricted` (issue 21: non-root callers through the broker) ----------
+
+RESTRICTED_NAMESPACE = one(BROKER_EXAMPLES / "namespace-restricted.yaml", "Namespace")
+RESTRICTED_POD = one(BROKER_EXAMPLES / "sshfs-restricted-pod.yaml", "Pod")
+USERNS_POD = one(BROKER_EXAMPLES / "sshfs-userns-pod.yaml", "Pod")
+# The whole restricted security context, spelled out on the container.
+COMPLETE_RESTRICTED = {
+    "runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
+    "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def test_restricted_example_is_one_line_and_restricted() -> None:
+    labels = RESTRICTED_NAMESPACE["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert RESTRICTED_POD["metadata"]["namespace"] == RESTRICTED_NAMESPACE["metadata"]["name"]
+    assert restricted_violations(RESTRICTED_POD) == []
+    [container] = containers(RESTRICTED_POD)
+    assert container["securityContext"] == COMPLETE_RESTRICTED
+    assert container["resources"]["limits"]["github.com/fuse"] == 1
+    # The Secret's files are readable by the pod's group (fsGroup), not by others.
+    assert pod_spec(RESTRICTED_POD)["securityContext"] == {"fsGroup": 1000}
+    [key] = [v for v in pod_spec(RESTRICTED_POD)["volumes"] if "secret" in v]
+    assert key["secret"]["defaultMode"] == 0o440
+
+
+def test_userns_variant_is_the_restricted_pod_in_a_user_namespace() -> None:
+    spec = dict(pod_spec(USERNS_POD))
+    assert spec.pop("hostUsers") is False
+    assert spec == pod_spec(RESTRICTED_POD)
+    assert USERNS_POD["metadata"]["namespace"] == RESTRICTED_POD["metadata"]["namespace"]
+    assert restricted_violations(USERNS_POD) == []
+    # Left out of the kustomization: API servers before 1.25 refuse the field.
+    listed = yaml.safe_load((BROKER_EXAMPLES / "kustomization.yaml").read_text())["resources"]
+    assert "sshfs-userns-pod.yaml" not in listed
+    assert {"namespace-restricted.yaml", "sshfs-restricted-pod.yaml"} <= set(listed)
+
+
+def test_restricted_example_image_has_the_pods_user() -> None:
+    """ssh refuses to start for a uid without a passwd entry: the image made from the
+    Dockerfile beside the example has one for the uid and gid the pod runs as."""
+    dockerfile = (BROKER_EXAMPLES / "Dockerfile").read_text()
+    [container] = containers(RESTRICTED_POD)
+    uid, gid = container["securityContext"]["runAsUser"], container["securityContext"][
+        "runAsGroup"]
+    assert f"useradd --uid {uid} --gid {gid} " in dockerfile
+    assert f"groupadd --gid {gid} " in dockerfile
+    assert f"\nUSER {uid}:{gid}\n" in dockerfile
+    assert container["image"] == "fuse-example-sshfs-nonroot"
+
+
+def test_broker_examples_build_into_namespaces_of_their_level() -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: `kubectl kustomize` not checked here")
+    built = subprocess.run([kubectl, "kustomize", str(BROKER_EXAMPLES)], capture_output=True,
+                           text=True, check=False, timeout=60)
+    assert built.returncode == 0, built.stderr
+    objects = [doc for doc in yaml.safe_load_all(built.stdout) if doc]
+    levels = {d["metadata"]["name"]: d["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
+              for d in objects if d["kind"] == "Namespace"}
+    pods = {d["metadata"]["name"]: d for d in objects if d["kind"] == "Pod"}
+    assert {name: levels[p["metadata"]["namespace"]] for name, p in pods.items()} == {
+        "sshfs-broker-example": "baseline", "sshfs-restricted-example": "restricted"}
+    assert baseline_violations(pods["sshfs-broker-example"]) == []
+    assert restricted_violations(pods["sshfs-restricted-example"]) == []
+    for doc in objects:
+        for version in VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def _set(path: str, value: object) -> Callable[[Doc], None]:
+    """A change to the restricted pod: the dotted path's last key set (None: removed);
+    a path starting with "c." is in its container."""
+    def change(pod: Doc) -> None:
+        node = containers(pod)[0] if path.startswith("c.") else pod_spec(pod)
+        *parents, last = path.removeprefix("c.").split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    return change
+
+
+def _moved(key: str) -> Callable[[Doc], None]:
+    """A change that moves a field from the container's securityContext to the pod's."""
+    def change(pod: Doc) -> None:
+        value = containers(pod)[0]["securityContext"].pop(key)
+        pod_spec(pod)["securityContext"][key] = value
+    return change
+
+
+@pytest.mark.parametrize(("change", "broken"), [
+    (_set("volumes", [{"name": "host", "hostPath": {"path": "/srv"}}]),
+     ["hostPath volume host", "volume host: type hostPath"]),
+    (_set("volumes", [{"name": "disk", "gcePersistentDisk": {"pdName": "d"}}]),
+     ["volume disk: type gcePersistentDisk"]),
+    (_set("c.securityContext.allowPrivilegeEscalation", None),
+     ["sshfs: allowPrivilegeEscalation not false"]),
+    (_set("c.securityContext.allowPrivilegeEscalation", True),
+     ["sshfs: allowPrivilegeEscalation not false"]),
+    (_set("c.securityContext.runAsNonRoot", None), ["sshfs: runAsNonRoot not true"]),
+    (_set("securityContext.runAsNonRoot", False), ["pod: runAsNonRoot false"]),
+    (_set("c.securityContext.runAsUser", 0), ["sshfs: runAsUser 0"]),
+    (_set("securityContext.runAsUser", 0), ["pod: runAsUser 0"]),
+    (_set("c.securityContext.seccompProfile", None), ["sshfs: seccomp not set"]),
+    (_set("c.securityContext.seccompProfile", {"type": "Unconfined"}),
+     ["seccomp Unconfined", "sshfs: seccomp Unconfined"]),
+    (_set("c.securityContext.capabilities", {}), ["sshfs: capabilities do not drop ALL"]),
+    (_set("c.securityContext.capabilities.add", ["CHOWN"]), ["sshfs: adds CHOWN"]),
+    (_set("c.securityContext.capabilities.add", ["SYS_ADMIN"]), ["sshfs: adds SYS_ADMIN"]),
+    (_set("hostNetwork", True), ["host namespace hostNetwork"]),
+], ids=lambda v: None if callable(v) else "; ".join(v))
+def test_restricted_check_has_teeth(change: Callable[[Doc], None], broken: list[str]) -> None:
+    """Each restricted rule broken alone in the example is named, and nothing else."""
+    pod = copy.deepcopy(RESTRICTED_POD)
+    change(pod)
+    assert restricted_violations(pod) == broken
+
+
+@pytest.mark.parametrize("change", [
+    _set("c.securityContext.capabilities.add", ["NET_BIND_SERVICE"]),
+    _set("c.securityContext.seccompProfile", {"type": "Localhost",
+                                                "localhostProfile": "profile.json"}),
+    # Fields left out of the container are judged by the pod's.
+    _moved("runAsNonRoot"),
+    _moved("seccompProfile"),
+], ids=["NET_BIND_SERVICE", "Localhost seccomp", "pod runAsNonRoot", "pod seccomp"])
+def test_restricted_check_allows_what_restricted_allows(
+        change: Callable[[Doc], None]) -> None:
+    pod = copy.deepcopy(RESTRICTED_POD)
+    change(pod)
+    assert restricted_violations(pod) == []
+
+
+def test_baseline_example_is_baseline_but_not_restricted() -> None:
+    """The root sshfs example passes baseline and breaks restricted exactly where its
+    restricted twin differs: the two checks tell the levels apart."""
+    pod = one(BROKER_EXAMPLES / "sshfs-pod.yaml", "Pod")
+    assert baseline_violations(pod) == []
+    assert restricted_violations(pod) == ["sshfs: allowPrivilegeEscalation not false",
+                                          "sshfs: runAsNonRoot not true",
+                                          "sshfs: capabilities do not drop ALL"]
