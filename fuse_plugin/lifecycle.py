@@ -13,6 +13,7 @@ device is.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import os
 import threading
@@ -32,7 +33,7 @@ from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.config import API_VERSION, Settings
 from fuse_plugin.devices import DeviceState
-from fuse_plugin.servicer import WORKERS, FusePlugin, add_to_server
+from fuse_plugin.servicer import WORKERS, FuseServicer, add_to_server
 from fuse_plugin.stats import Stats
 
 # How often the safety net re-checks sockets, the directory and the device.
@@ -63,6 +64,24 @@ class Status:
     last_turn: float = 0.0
 
 
+class Change(enum.Enum):
+    """What an inotify event (or the safety net) says changed; the loop acts on them."""
+
+    DEVICE = "device"  # the FUSE node or, in broker mode, the broker's shim
+    KUBELET = "kubelet"  # a kubelet.sock appeared or went
+    SOCKET = "socket"  # our socket file
+    DIRECTORY = "directory"  # the device-plugin directory itself went or came back
+
+
+@dataclass
+class _Registration:
+    """A Register call in flight: its future, its own channel, and when to give up."""
+
+    call: grpc.Future[api.Empty]
+    channel: grpc.Channel
+    deadline: float
+
+
 class _Events(FileSystemEventHandler):
     """Turns inotify events into marks for the loop; runs on watchdog's thread."""
 
@@ -76,19 +95,19 @@ class _Events(FileSystemEventHandler):
         if str(settings.fuse_device) in paths or (
                 settings.broker_dir is not None and str(settings.broker_dir) in
                 {os.path.dirname(p) for p in paths}):
-            self._plugin.mark("device")
+            self._plugin.mark(Change.DEVICE)
         if str(settings.kubelet_socket) in paths:
-            self._plugin.mark("kubelet")
+            self._plugin.mark(Change.KUBELET)
         if str(settings.socket_path) in paths:
-            self._plugin.mark("socket")
+            self._plugin.mark(Change.SOCKET)
         if str(settings.device_plugin_dir) in paths and event.event_type != "modified":
-            self._plugin.mark("directory")  # the directory itself went or came back
+            self._plugin.mark(Change.DIRECTORY)  # the directory itself went or came back
 
 
 class Lifecycle:
     """Serve, register, re-register; one loop thread owns every state change."""
 
-    def __init__(self, settings: Settings, state: DeviceState, servicer: FusePlugin,
+    def __init__(self, settings: Settings, state: DeviceState, servicer: FuseServicer,
                  log: logging.Logger, stats: Stats) -> None:
         self.settings = settings
         self.state = state
@@ -99,14 +118,14 @@ class Lifecycle:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._turned = threading.Condition()
-        self._marks: set[str] = set()
+        self._marks: set[Change] = set()
         self._marks_lock = threading.Lock()
         self._need_serve = True
         self._need_register = True
         self._kubelet_seen: files.Identity | None = None
         self._our_socket: files.Identity | None = None
         self._server: grpc.Server | None = None
-        self._pending: tuple[grpc.Future[api.Empty], grpc.Channel, float] | None = None
+        self._pending: _Registration | None = None
         self._register_started = 0.0
         self._asked_before = False  # any Register sent: a new kubelet.sock is a restart
         self._retry_at = 0.0
@@ -126,8 +145,8 @@ class Lifecycle:
         self._stop.set()
         self._wake.set()
 
-    def mark(self, what: str) -> None:
-        """Note that something changed ("device", "kubelet", "socket", "directory")."""
+    def mark(self, what: Change) -> None:
+        """Note that something changed; the loop acts on it at its next turn."""
         with self._marks_lock:
             self._marks.add(what)
         self._wake.set()
@@ -170,14 +189,14 @@ class Lifecycle:
                 if self._retry_waits():
                     deadline = min(deadline, self._retry_at)
                 if self._pending is not None:
-                    deadline = min(deadline, self._pending[2])
+                    deadline = min(deadline, self._pending.deadline)
                 self._wake.wait(max(0.0, deadline - time.monotonic()))
         finally:
             self._running = False
             self._shutdown()
         return 0
 
-    def _take_marks(self) -> set[str]:
+    def _take_marks(self) -> set[Change]:
         with self._marks_lock:
             marks, self._marks = self._marks, set()
         return marks
@@ -185,14 +204,14 @@ class Lifecycle:
     def _turn(self, now: float) -> None:
         self._check_register()
         marks = self._take_marks()
-        if "directory" in marks:
+        if Change.DIRECTORY in marks:
             self._rewatch()
-        if "device" in marks:
+        if Change.DEVICE in marks:
             self._refresh_device()
-        if marks & {"socket", "directory"} and not self.owns_socket():
+        if marks & {Change.SOCKET, Change.DIRECTORY} and not self.owns_socket():
             self._need_serve = True
             self._retry_at = now  # our socket went: no reason to wait
-        if marks & {"kubelet", "directory"}:
+        if marks & {Change.KUBELET, Change.DIRECTORY}:
             self._kubelet_changed()
             self._retry_at = now
         if now < self._retry_at:
@@ -381,14 +400,15 @@ class Lifecycle:
         call = api_pb2_grpc.RegistrationStub(channel).Register.future(
             request, timeout=REGISTER_TIMEOUT)
         call.add_done_callback(lambda _call: self._wake.set())
-        self._pending = (call, channel, time.monotonic() + REGISTER_TIMEOUT + 0.1)
+        self._pending = _Registration(call, channel,
+                                      time.monotonic() + REGISTER_TIMEOUT + 0.1)
         self._register_started = time.perf_counter()
 
     def _check_register(self) -> None:
         """Collect a finished Register, if any."""
-        if self._pending is None or not self._pending[0].done():
+        if self._pending is None or not self._pending.call.done():
             return
-        call, channel, _ = self._pending
+        call, channel = self._pending.call, self._pending.channel
         self._pending = None
         channel.close()
         try:
@@ -419,7 +439,7 @@ class Lifecycle:
         self._check_register()  # an answer already in counts, even if its kubelet left
         if self._pending is None:
             return
-        call, channel, _ = self._pending
+        call, channel = self._pending.call, self._pending.channel
         self._pending = None
         call.cancel()
         channel.close()
@@ -433,7 +453,7 @@ class Lifecycle:
             logs.event(self._log, "socket.lost", socket=str(self.settings.socket_path))
             self._need_serve = True
             self._retry_at = 0.0
-        if self._pending is not None and time.monotonic() > self._pending[2]:
+        if self._pending is not None and time.monotonic() > self._pending.deadline:
             self._cancel_register()  # a lost completion: never wait on it for good
         kubelet = files.identity(self.settings.kubelet_socket)
         if kubelet is None or kubelet != self._kubelet_seen or not self.status.registered:

@@ -21,7 +21,7 @@ from fuse_plugin.config import Settings
 from fuse_plugin.devices import DeviceState, Prober, probe, with_shim
 from fuse_plugin.errors import EXIT_USAGE, Failure
 from fuse_plugin.lifecycle import Lifecycle
-from fuse_plugin.servicer import FusePlugin
+from fuse_plugin.servicer import FuseServicer
 from fuse_plugin.stats import Stats
 
 JOIN_TIMEOUT = 15.0
@@ -62,7 +62,7 @@ def assembled(settings: Settings, log: logging.Logger, prober: Prober = probe
             logs.event(log, "cdi.spec_written", path=str(spec), device=cdi_device)
             stack.callback(logs.event, log, "cdi.spec_removed", path=str(spec))
             stack.callback(cdi.remove_spec, spec)
-        servicer = FusePlugin(state, log, stats, cdi_device=cdi_device,
+        servicer = FuseServicer(state, log, stats, cdi_device=cdi_device,
                               mounts=_broker_mounts(settings.broker_dir))
         lifecycle = Lifecycle(settings, state, servicer, log, stats)
         port = None

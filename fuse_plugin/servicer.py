@@ -1,7 +1,7 @@
 """The DevicePlugin RPCs the kubelet calls on our socket.
 
 Follow an Allocate from the socket to the response here: ``add_to_server`` hands its
-bytes to ``FusePlugin.allocate_wire``; the kubelet's usual request (one container, one
+bytes to ``FuseServicer.allocate_wire``; the kubelet's usual request (one container, one
 slot) is answered from a table, anything else is parsed and ``Allocate`` checks every ID
 against ``DeviceState`` and answers each container with the same DeviceSpec for the FUSE
 node. Nothing here does I/O or waits on anything but the state's condition, so Allocate
@@ -40,7 +40,7 @@ MAX_NAMED = 10
 MAX_ID_SHOWN = 64
 
 
-class FusePlugin(api_pb2_grpc.DevicePluginServicer):
+class FuseServicer(api_pb2_grpc.DevicePluginServicer):
     """Answers the kubelet from ``DeviceState``; responses are prebuilt where they can be."""
 
     def __init__(self, state: DeviceState, log: logging.Logger, stats: Stats,
@@ -195,8 +195,8 @@ class FusePlugin(api_pb2_grpc.DevicePluginServicer):
         return self._state.order.get(device_id, len(self._state.order)), device_id
 
 
-def add_to_server(plugin: FusePlugin, server: grpc.Server) -> None:
-    """Serve ``plugin`` as ``v1beta1.DevicePlugin``.
+def add_to_server(servicer: FuseServicer, server: grpc.Server) -> None:
+    """Serve ``servicer`` as ``v1beta1.DevicePlugin``.
 
     What the generated ``add_DevicePluginServicer_to_server`` does, except that Allocate
     gets its request as bytes (``allocate_wire``), and that only the generic handler is
@@ -205,17 +205,17 @@ def add_to_server(plugin: FusePlugin, server: grpc.Server) -> None:
     """
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
         "GetDevicePluginOptions": grpc.unary_unary_rpc_method_handler(
-            plugin.GetDevicePluginOptions, api.Empty.FromString,
+            servicer.GetDevicePluginOptions, api.Empty.FromString,
             api.DevicePluginOptions.SerializeToString),
         "ListAndWatch": grpc.unary_stream_rpc_method_handler(
-            plugin.ListAndWatch, api.Empty.FromString,
+            servicer.ListAndWatch, api.Empty.FromString,
             api.ListAndWatchResponse.SerializeToString),
         "GetPreferredAllocation": grpc.unary_unary_rpc_method_handler(
-            plugin.GetPreferredAllocation, api.PreferredAllocationRequest.FromString,
+            servicer.GetPreferredAllocation, api.PreferredAllocationRequest.FromString,
             api.PreferredAllocationResponse.SerializeToString),
-        "Allocate": grpc.unary_unary_rpc_method_handler(plugin.allocate_wire),
+        "Allocate": grpc.unary_unary_rpc_method_handler(servicer.allocate_wire),
         "PreStartContainer": grpc.unary_unary_rpc_method_handler(
-            plugin.PreStartContainer, api.PreStartContainerRequest.FromString,
+            servicer.PreStartContainer, api.PreStartContainerRequest.FromString,
             api.PreStartContainerResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers(

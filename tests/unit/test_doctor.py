@@ -11,7 +11,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import ExitStack, contextmanager
@@ -27,7 +26,7 @@ from fuse_plugin.config import Settings
 from fuse_plugin.devices import DeviceState
 from fuse_plugin.doctor import checks as doctor
 from fuse_plugin.doctor import explain as fuse_errors
-from fuse_plugin.servicer import WORKERS, FusePlugin
+from fuse_plugin.servicer import WORKERS, FuseServicer
 from fuse_plugin.sim.kubelet import KubeletStandIn
 from fuse_plugin.sim.node import make_node
 from fuse_plugin.stats import Stats
@@ -115,7 +114,7 @@ def answering_moved(bind: Path, device: Path, move_to: Path) -> Iterator[None]:
     path longer than a socket address holds, which no plugin could bind there itself."""
     state = DeviceState(device, 4)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS))
-    api_pb2_grpc.add_DevicePluginServicer_to_server(FusePlugin(state, logs.get(), Stats()),
+    api_pb2_grpc.add_DevicePluginServicer_to_server(FuseServicer(state, logs.get(), Stats()),
                                                     server)
     server.add_insecure_port(f"unix://{bind}")
     server.start()
@@ -309,20 +308,20 @@ def test_plugin_socket_missing_fails(root: Path, run_doctor: Run) -> None:
     assert code == 1
 
 
-def test_stale_plugin_socket_fails_at_once(root: Path, run_doctor: Run) -> None:
+def test_stale_plugin_socket_is_told_by_connect_not_by_a_deadline(root: Path,
+                                                                   run_doctor: Run) -> None:
+    """connect(2) refuses a socket nobody serves: the check says so from that answer (a
+    gRPC call would only have timed out, and said DEADLINE_EXCEEDED)."""
     if os.geteuid() != 0:
         pytest.skip("needs root: the fake node's /dev/fuse is made with mknod")
     build_static_tree(root)
     make_device(root)
     stale_socket(root / PLUGIN_DIR / SOCKET)
     with listening(root / PLUGIN_DIR / "kubelet.sock"):
-        started = time.monotonic()
         code, lines, _ = run_doctor(root)
-        elapsed = time.monotonic() - started
     assert lines["plugin socket"]["verdict"] == "fail"
     assert lines["plugin socket"]["detail"] == (
         f"/{PLUGIN_DIR}/{SOCKET} refuses connections: a stale socket, the plugin died")
-    assert elapsed < doctor.PLUGIN_TIMEOUT  # told by connect(2), not by a gRPC deadline
     assert code == 1
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.devices import DeviceState, Health, Probe
-from fuse_plugin.servicer import FusePlugin, add_to_server
+from fuse_plugin.servicer import FuseServicer, add_to_server
 from fuse_plugin.stats import Stats
 from tests.conftest import Node, make_fuse_node
 
@@ -53,7 +53,7 @@ def stats() -> Stats:
 
 @pytest.fixture
 def server(state: DeviceState, stats: Stats) -> grpc_testing.Server:
-    plugin = FusePlugin(state, logging.getLogger("test"), stats)
+    plugin = FuseServicer(state, logging.getLogger("test"), stats)
     return grpc_testing.server_from_dictionary({SERVICE: plugin},
                                                grpc_testing.strict_real_time())
 
@@ -261,9 +261,9 @@ def test_preferred_allocation_ranks_ids_that_are_not_ours_last(server: grpc_test
 
 @pytest.fixture
 def wire(tmp_path: Path, state: DeviceState, stats: Stats
-         ) -> Generator[tuple[FusePlugin, grpc.UnaryUnaryMultiCallable[bytes, bytes]], None, None]:
+         ) -> Generator[tuple[FuseServicer, grpc.UnaryUnaryMultiCallable[bytes, bytes]], None, None]:
     """The servicer behind a real gRPC server on a unix socket, called with raw bytes."""
-    plugin = FusePlugin(state, logging.getLogger("test"), stats)
+    plugin = FuseServicer(state, logging.getLogger("test"), stats)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     add_to_server(plugin, server)
     server.add_insecure_port(f"unix://{tmp_path / 'plugin.sock'}")
@@ -282,7 +282,7 @@ def _request(*containers: list[str]) -> bytes:
 
 
 def test_the_usual_request_gets_what_allocate_answers(
-        wire: tuple[FusePlugin, grpc.UnaryUnaryMultiCallable[bytes, bytes]],
+        wire: tuple[FuseServicer, grpc.UnaryUnaryMultiCallable[bytes, bytes]],
         stats: Stats) -> None:
     plugin, call = wire
     # One container asking for one slot, as any protobuf encoder (Go's too) writes it:
@@ -306,7 +306,7 @@ def test_the_usual_request_gets_what_allocate_answers(
     ([], "empty allocation request"),
 ])
 def test_other_requests_off_the_wire_get_allocates_checks(
-        wire: tuple[FusePlugin, grpc.UnaryUnaryMultiCallable[bytes, bytes]],
+        wire: tuple[FuseServicer, grpc.UnaryUnaryMultiCallable[bytes, bytes]],
         containers: list[list[str]], expected: str | None) -> None:
     _, call = wire
     if expected is None:
@@ -320,7 +320,7 @@ def test_other_requests_off_the_wire_get_allocates_checks(
 
 
 def test_the_usual_request_is_refused_while_the_device_is_unhealthy(
-        wire: tuple[FusePlugin, grpc.UnaryUnaryMultiCallable[bytes, bytes]],
+        wire: tuple[FuseServicer, grpc.UnaryUnaryMultiCallable[bytes, bytes]],
         state: DeviceState, device: Device) -> None:
     _, call = wire
     device.present = False
@@ -333,7 +333,7 @@ def test_the_usual_request_is_refused_while_the_device_is_unhealthy(
 
 
 def test_bytes_that_do_not_parse_are_an_invalid_argument(
-        wire: tuple[FusePlugin, grpc.UnaryUnaryMultiCallable[bytes, bytes]],
+        wire: tuple[FuseServicer, grpc.UnaryUnaryMultiCallable[bytes, bytes]],
         stats: Stats) -> None:
     _, call = wire
     with pytest.raises(grpc.RpcError) as refused:
@@ -344,7 +344,7 @@ def test_bytes_that_do_not_parse_are_an_invalid_argument(
 
 
 def test_a_3_mib_id_off_the_wire_is_an_invalid_argument(
-        wire: tuple[FusePlugin, grpc.UnaryUnaryMultiCallable[bytes, bytes]]) -> None:
+        wire: tuple[FuseServicer, grpc.UnaryUnaryMultiCallable[bytes, bytes]]) -> None:
     """The refusal travels in a header gRPC caps at 16 KiB: naming the whole ID made it
     RESOURCE_EXHAUSTED, which tells the kubelet nothing about what was wrong."""
     _, call = wire
