@@ -1,4 +1,5 @@
-"""Settings for ``serve``: each flag has an environment twin, and all are validated once.
+"""Settings for ``serve``: its flags (each with an environment twin, ``args``), validated
+once.
 
 Validation happens before anything touches the node so that a typo in a DaemonSet
 manifest fails the container at once with one readable line (exit code 2) instead of
@@ -8,17 +9,15 @@ a plugin that half-starts and never registers.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from fuse_plugin import args
 from fuse_plugin.errors import EXIT_USAGE, Failure
-from fuse_plugin.logs import FORMATS, LEVELS
 
-ENV_PREFIX = "FUSE_DEVICE_PLUGIN_"
 DEFAULT_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 DEFAULT_RESOURCE_NAME = "github.com/fuse"
 DEFAULT_FUSE_DEVICE = Path("/dev/fuse")
@@ -38,7 +37,6 @@ _DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
 _NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 # A unix socket's path must fit sockaddr_un.sun_path (108 bytes with its NUL).
 SOCKET_PATH_MAX = 107
-PATH_MAX = 4095
 
 
 @dataclass(frozen=True)
@@ -99,98 +97,16 @@ def resource_name(text: str) -> str:
     return text
 
 
-def _whole_number(text: str, low: int, high: int) -> int | None:
-    """``text`` as a number from ``low`` to ``high`` if it is only ASCII digits, else None.
-
-    ``int()`` alone is too lenient for a flag: it strips spaces and newlines and takes a
-    sign, underscores and any script's digits ('\u0661\u0662' is 12), so a manifest's typo
-    would be read as some number; ``str.isdigit()`` also takes '\u00b2', which ``int()``
-    refuses. Leading zeros are allowed, and the length is checked before ``int()``, which
-    refuses more than 4300 digits with an error of its own.
-    """
-    if not text or not text.isascii() or not text.isdigit():
-        return None
-    if len(text.lstrip("0")) > len(str(high)):
-        return None
-    value = int(text)
-    return value if low <= value <= high else None
-
-
-def _shown(text: str, limit: int = 100) -> str:
-    """``text`` quoted for an error line, cut at ``limit`` characters: a 5000-digit value
-    is one readable line, not a screenful."""
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}... ({len(text)} characters)"
-
-
-def slots(text: str) -> int:
-    value = _whole_number(text, 1, MAX_SLOTS)
-    if value is None:
-        raise argparse.ArgumentTypeError(
-            f"must be a whole number from 1 to {MAX_SLOTS}, got {_shown(text)}")
-    return value
-
-
-def port(text: str) -> int:
-    value = _whole_number(text, 0, 65535)
-    if value is None:
-        raise argparse.ArgumentTypeError(
-            f"must be a TCP port from 0 to 65535, got {_shown(text)}")
-    return value
-
-
-def address(text: str) -> str:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be an IP address such as 0.0.0.0 or 127.0.0.1, got {text!r}") from None
-    return text
-
-
-def boolean(text: str) -> bool:
-    value = text.strip().lower()
-    if value not in ("true", "false", "1", "0", "yes", "no"):
-        raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
-    return value in ("true", "1", "yes")
-
-
-def absolute_path(text: str) -> Path:
-    if not text or "\0" in text or not text.startswith("/"):
-        raise argparse.ArgumentTypeError(f"must be an absolute path, got {text[:100]!r}")
-    try:
-        encoded = text.encode()
-    except UnicodeEncodeError:
-        raise argparse.ArgumentTypeError(
-            f"must be valid UTF-8, got {text[:100]!r}") from None
-    if len(encoded) > PATH_MAX:
-        raise argparse.ArgumentTypeError(
-            f"must be at most {PATH_MAX} bytes, got {len(encoded)}")
-    return Path(text)
+slots = args.count(1, MAX_SLOTS)
 
 
 def plugin_dir(text: str) -> Path:
     """An absolute path gRPC can dial: its ``unix:`` targets split addresses at commas."""
-    path = absolute_path(text)
+    path = args.absolute_path(text)
     if "," in text:
         raise argparse.ArgumentTypeError(
             f"must not contain a comma (gRPC reads it as a list of addresses), got {text!r}")
     return path
-
-
-def optional_path(text: str) -> Path | None:
-    """An absolute path, or empty for "off"."""
-    return absolute_path(text) if text else None
-
-
-def choice(options: tuple[str, ...]) -> Callable[[str], str]:
-    def check(text: str) -> str:
-        if text.lower() not in options:
-            raise argparse.ArgumentTypeError(
-                f"must be one of {', '.join(options)}, got {text!r}")
-        return text.lower()
-    return check
 
 
 # flag, type, help: the one table the CLI and the env twins are built from; each flag
@@ -199,17 +115,16 @@ SERVE_FLAGS: tuple[tuple[str, Callable[[str], object], str], ...] = (
     ("--device-plugin-dir", plugin_dir,
      "the kubelet's device-plugin directory (holds kubelet.sock)"),
     ("--resource-name", resource_name, "extended resource to advertise"),
-    ("--fuse-device", absolute_path,
+    ("--fuse-device", args.absolute_path,
      "host FUSE device node handed to containers (must be char 10:229)"),
     ("--slots", slots, "how many containers may hold the shared device at once"),
-    ("--log-format", choice(FORMATS), "log line format: text or json"),
-    ("--log-level", choice(LEVELS), "debug, info, warning or error"),
-    ("--metrics-port", port, "serve /metrics, /healthz and /readyz on this port; 0 turns it off"),
-    ("--metrics-address", address, "address the metrics port binds to (IPv4 or IPv6)"),
-    ("--cdi", boolean,
+    ("--metrics-port", args.port,
+     "serve /metrics, /healthz and /readyz on this port; 0 turns it off"),
+    ("--metrics-address", args.address, "address the metrics port binds to (IPv4 or IPv6)"),
+    ("--cdi", args.boolean,
      "also write a CDI spec and answer Allocate with its device name (Kubernetes 1.28+)"),
-    ("--cdi-dir", absolute_path, "where the CDI spec is written"),
-    ("--broker-dir", optional_path,
+    ("--cdi-dir", args.absolute_path, "where the CDI spec is written"),
+    ("--broker-dir", args.optional_path,
      "broker mode: the broker's host directory, bound with its fusermount3 shim into "
      "every container (docs/broker.md); empty: off"),
 )
@@ -221,49 +136,20 @@ def default(flag: str) -> object:
     return next(f.default for f in fields(Settings) if f.name == name)
 
 
-def env_name(flag: str) -> str:
-    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
-
-
-class _FromEnv(str):
-    """A default read from the environment; argparse runs string defaults through `type`."""
-
-    env = ""
-
-
-def _checked(kind: Callable[[str], object]) -> Callable[[str], object]:
-    def check(text: str) -> object:
-        try:
-            return kind(text)
-        except argparse.ArgumentTypeError as err:
-            if isinstance(text, _FromEnv):
-                raise argparse.ArgumentTypeError(f"{err} (from ${text.env})") from None
-            raise
-    return check
-
-
 def add_serve_flags(parser: argparse.ArgumentParser,
                     only: Collection[str] | None = None) -> None:
-    """Add the serve flags (or ``only`` those); an environment twin supplies the default
-    when set."""
+    """Add the serve flags (or ``only`` those), each with its environment twin."""
     for flag, kind, help_text in SERVE_FLAGS:
-        if only is not None and flag not in only:
-            continue
-        env = env_name(flag)
-        value: object = default(flag)
-        if env in os.environ:
-            value = _FromEnv(os.environ[env])
-            value.env = env
-        # A boolean flag may stand alone (`--cdi`) or take a value (`--cdi false`).
-        extra: dict[str, object] = {"nargs": "?", "const": True} if kind is boolean else {}
-        parser.add_argument(flag, type=_checked(kind), default=value, **extra,  # type: ignore[arg-type]
-                            help=f"{help_text} (env {env}; default: {default(flag)})")
+        if only is None or flag in only:
+            args.add(parser, flag, kind, default(flag), help_text)
+    if only is None:
+        args.add_log_flags(parser)
 
 
-def from_args(args: argparse.Namespace) -> Settings:
+def from_args(parsed: argparse.Namespace) -> Settings:
     """Settings from parsed serve flags (each field is named after its flag), with the
     checks that need two of them; raises ``Failure`` (exit 2)."""
-    settings = Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)})
+    settings = Settings(**{f.name: getattr(parsed, f.name) for f in fields(Settings)})
     size = len(os.fsencode(settings.socket_path))
     if size > SOCKET_PATH_MAX:
         raise Failure(f"the plugin's socket {settings.socket_path} would be {size} bytes, "

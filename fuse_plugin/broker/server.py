@@ -34,11 +34,11 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fuse_plugin import config, files, logs, sockets
+from fuse_plugin import args as types
+from fuse_plugin import files, logs, sockets
 from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker import mountinfo, policy, protocol, records
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
@@ -80,47 +80,35 @@ class BrokerSettings:
     log_level: str = "info"
 
 
-def _count(limit: int) -> Callable[[str], int]:
-    def check(text: str) -> int:
-        if not protocol.DIGITS.fullmatch(text) or not 1 <= int(text) <= limit:
-            raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {limit}, "
-                                             f"got {text!r}")
-        return int(text)
-    return check
-
-
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dir", type=config.absolute_path, default=DEFAULT_DIR,
+    parser.add_argument("--dir", type=types.absolute_path, default=DEFAULT_DIR,
                         help="host directory for the socket and the shim; the plugin's "
                              f"--broker-dir (default: {DEFAULT_DIR})")
-    parser.add_argument("--state-dir", type=config.absolute_path, default=DEFAULT_STATE,
+    parser.add_argument("--state-dir", type=types.absolute_path, default=DEFAULT_STATE,
                         help="host directory for the records of the mounts the broker "
                              f"made, on a tmpfs (default: {DEFAULT_STATE})")
-    parser.add_argument("--shim", type=config.absolute_path, default=DEFAULT_SHIM,
+    parser.add_argument("--shim", type=types.absolute_path, default=DEFAULT_SHIM,
                         help=f"the built fusermount3 shim to install there; {HELPER_NAME} "
                              f"must be beside it (default: {DEFAULT_SHIM})")
-    parser.add_argument("--max-mounts", type=_count(10_000), default=DEFAULT_MAX_MOUNTS,
+    parser.add_argument("--max-mounts", type=types.count(1, 10_000), default=DEFAULT_MAX_MOUNTS,
                         help="FUSE mounts the broker makes for one container that the "
                              f"kernel may hold at once (default: {DEFAULT_MAX_MOUNTS})")
-    parser.add_argument("--max-mounts-node", type=_count(100_000),
+    parser.add_argument("--max-mounts-node", type=types.count(1, 100_000),
                         default=DEFAULT_MAX_MOUNTS_NODE,
                         help="the same for the whole node (default: "
                              f"{DEFAULT_MAX_MOUNTS_NODE})")
-    parser.add_argument("--allow-other", type=config.boolean, default=False,
+    parser.add_argument("--allow-other", type=types.boolean, default=False,
                         help="let callers that are not root mount with allow_other, as "
                              "user_allow_other in /etc/fuse.conf does (default: false)")
-    parser.add_argument("--metrics-port", type=config.port, default=0,
+    parser.add_argument("--metrics-port", type=types.port, default=0,
                         help="serve /metrics, /healthz and /readyz on this TCP port; 0: "
                              "off (default: 0)")
-    parser.add_argument("--metrics-address", type=config.address, default="0.0.0.0",
+    parser.add_argument("--metrics-address", type=types.address, default="0.0.0.0",
                         help="address for --metrics-port (default: 0.0.0.0)")
-    parser.add_argument("--log-format", type=config.choice(logs.FORMATS), default="text",
-                        help="text or json (default: text)")
-    parser.add_argument("--log-level", type=config.choice(logs.LEVELS), default="info",
-                        help="debug, info, warning or error (default: info)")
+    types.add_log_flags(parser)
 
 
-def command(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     settings = BrokerSettings(
         directory=args.dir, state=args.state_dir, shim=args.shim,
         max_mounts=args.max_mounts, max_mounts_node=args.max_mounts_node,

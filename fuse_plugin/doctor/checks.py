@@ -17,14 +17,15 @@ import errno
 import json
 import os
 import stat
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from fuse_plugin import config, files, sockets
+from fuse_plugin import args, config, files, sockets
 from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR, examine
-from fuse_plugin.errors import Failure
+from fuse_plugin.errors import EXIT_USAGE, Failure
 from fuse_plugin.profiles import install, lint, presets
 
 # The presets, names and paths are the generator's own, so the doctor checks for exactly
@@ -366,7 +367,7 @@ def check_cgroup(node: Node) -> Check:
                  "mount the node's /sys under --root")
 
 
-def run(node: Node) -> list[Check]:
+def run_checks(node: Node) -> list[Check]:
     """Every check in the order a FUSE mount needs them; lines that cannot apply are left out."""
     checks = [check_fuse_filesystem(node), *check_device(node)]
     plugin_dir = check_plugin_dir(node)
@@ -443,37 +444,38 @@ _SHARED_FLAGS = ("--device-plugin-dir", "--resource-name", "--fuse-device")
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     config.add_serve_flags(parser, only=_SHARED_FLAGS)
-    parser.add_argument("--root", type=config.absolute_path, default=Path("/"), metavar="DIR",
+    parser.add_argument("--root", type=args.absolute_path, default=Path("/"), metavar="DIR",
                         help="read every node path under this directory, e.g. /host in a pod "
                              "that mounts the node's / there (default: /)")
-    parser.add_argument("--seccomp-dir", type=config.absolute_path, metavar="DIR",
+    parser.add_argument("--seccomp-dir", type=args.absolute_path, metavar="DIR",
                         default=DEFAULT_SECCOMP_DIR,
                         help=f"where install-profiles puts seccomp profiles "
                              f"(default: {DEFAULT_SECCOMP_DIR})")
     parser.add_argument("--preset", action="append", choices=PRESETS,
                         help="a profile preset this node must have (repeatable); missing ones "
                              "then fail. Default: all presets, missing ones warn")
-    parser.add_argument("--output", type=config.choice(OUTPUTS), default="text",
+    parser.add_argument("--output", type=args.choice(OUTPUTS), default="text",
                         metavar="{text,json}",
                         help="text (a table) or json")
     parser.add_argument("--explain", metavar="MESSAGE",
                         help="explain a FUSE error message instead of checking the node")
 
 
-def command(args: argparse.Namespace, out: TextIO) -> int:
+def run(parsed: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run ``doctor`` from parsed flags; raises Failure for errors the user must fix."""
-    if args.explain is not None:
-        if not args.explain.strip():
+    out = out or sys.stdout  # looked up now: a test may have replaced it
+    if parsed.explain is not None:
+        if not parsed.explain.strip():
             raise Failure("--explain needs the error message, e.g. --explain "
-                          "\"fusermount3: mount failed: Operation not permitted\"", 2)
-        return explain(args.explain, args.output, out)
-    if not args.root.is_dir():
-        raise Failure(f"--root {args.root} is not a directory", 2)
-    presets = tuple(dict.fromkeys(args.preset)) if args.preset else PRESETS
-    node = Node(root=args.root, device_plugin_dir=args.device_plugin_dir,
-                fuse_device=args.fuse_device, resource_name=args.resource_name,
-                seccomp_dir=args.seccomp_dir, presets=presets,
-                strict_presets=bool(args.preset))
-    checks = run(node)
-    out.write(render_json(node, checks) if args.output == "json" else render_text(checks))
+                          "\"fusermount3: mount failed: Operation not permitted\"", EXIT_USAGE)
+        return explain(parsed.explain, parsed.output, out)
+    if not parsed.root.is_dir():
+        raise Failure(f"--root {parsed.root} is not a directory", EXIT_USAGE)
+    presets = tuple(dict.fromkeys(parsed.preset)) if parsed.preset else PRESETS
+    node = Node(root=parsed.root, device_plugin_dir=parsed.device_plugin_dir,
+                fuse_device=parsed.fuse_device, resource_name=parsed.resource_name,
+                seccomp_dir=parsed.seccomp_dir, presets=presets,
+                strict_presets=bool(parsed.preset))
+    checks = run_checks(node)
+    out.write(render_json(node, checks) if parsed.output == "json" else render_text(checks))
     return exit_code(checks)

@@ -13,6 +13,8 @@ container confined by the generated seccomp profile (see ``fuse_plugin.oci``).
 
 from __future__ import annotations
 
+import argparse
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ from typing import TextIO
 
 import grpc
 
-from fuse_plugin import logs
+from fuse_plugin import config, logs
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.config import DEFAULT_FUSE_DEVICE, Settings
 from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR, Health, probe
@@ -101,7 +103,19 @@ def describe_allocation(response: api.AllocateResponse) -> list[str]:
     return lines
 
 
-def run(out: TextIO, slots: int, mount: bool = False) -> int:
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--slots", type=config.slots, default=8,
+                        help="slots the demo plugin advertises (default: 8)")
+    parser.add_argument("--mount", action="store_true",
+                        help="also mount a FUSE filesystem in a real unprivileged runc "
+                             "container (root, runc, /dev/fuse, squashfuse)")
+
+
+def run(parsed: argparse.Namespace) -> int:
+    return show(sys.stdout, slots=parsed.slots, mount=parsed.mount)
+
+
+def show(out: TextIO, slots: int, mount: bool = False) -> int:
     """The whole demo; returns 0, or raises DemoError with the line to show."""
     say = Narrator(out)
     say.line("fuse-device-plugin demo: the device-plugin flow on this machine, no cluster "

@@ -16,6 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
+import grpc
 import pytest
 
 from fuse_plugin.broker import mountinfo, policy, protocol, server
@@ -25,7 +26,7 @@ from fuse_plugin.broker.server import Broker, BrokerSettings, install_shim
 from fuse_plugin.sim.kubelet import KubeletStandIn
 from tests.conftest import RESOURCE, StartPlugin
 from tests.containers import broker as broker_rig
-from tests.waiting import wait_until
+from tests.containers.workloads import wait_for
 
 # Digits, but not ASCII ones: int() and str.isdigit() take them, fusermount3 does not.
 ARABIC_INDIC = "\u0661\u0662"
@@ -699,7 +700,7 @@ def test_broker_command_imports_no_more_than_the_standard_library() -> None:
     """The broker runs from a plain python3 (the AppArmor guest has no venv): parsing its
     command line must not pull in watchdog, grpc or the profile modules."""
     code = ("import sys; from fuse_plugin import cli; "
-            "cli.build_parser(all_flags=False, broker_flags=True).parse_args(['broker']); "
+            "cli.build_parser(['broker']).parse_args(['broker']); "
             "from fuse_plugin.broker import server; "
             "print(sorted(m for m in ('watchdog', 'grpc', 'fuse_plugin.profiles', "
             "'fuse_plugin.doctor', 'google.protobuf') if m in sys.modules))")
@@ -748,7 +749,17 @@ def test_in_broker_mode_slots_are_healthy_only_while_the_shim_is_installed(
     shim.unlink()
     shim.mkdir()
     health("Unhealthy")
-    assert wait_until(plugin.log_path.parent, lambda: "is not a regular file" in plugin.log)
+
+    def refusal() -> str:
+        try:
+            kubelet.allocate(RESOURCE, [["fuse-0"]])
+        except grpc.RpcError as err:
+            return str(err.details())
+        return "allocated"
+
+    # The reason follows the node as it is now (a directory), whatever was seen between.
+    assert wait_for(lambda: "is not a regular file" in refusal(), 10,
+                    "Allocate's refusal to name the directory at the shim's path")
 
 
 def test_serve_without_broker_dir_adds_no_mount(kubelet: KubeletStandIn,

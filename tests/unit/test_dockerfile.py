@@ -192,7 +192,7 @@ def test_entrypoint_is_the_console_script_and_runs_serve() -> None:
     (command,) = RUNTIME.all("CMD")
     assert exec_form(entrypoint) == ["fuse-device-plugin"]
     assert exec_form(command) == ["serve"]
-    assert cli.build_parser().parse_args(exec_form(command)).command == "serve"
+    assert cli.build_parser(exec_form(command)).parse_args(exec_form(command)).command == "serve"
     scripts = re.search(r"\[project\.scripts\]\n(.*?)\n\n",
                         (ROOT / "pyproject.toml").read_text(), re.S)
     assert scripts

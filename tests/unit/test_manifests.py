@@ -175,7 +175,7 @@ def test_plugin_has_requests_limits_probes_priority_and_tolerations() -> None:
     port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
-    args = cli.build_parser().parse_args(container["args"])
+    args = cli.build_parser(container["args"]).parse_args(container["args"])
     assert args.command == "serve"
     assert args.metrics_port == port
     strategy = PLUGIN["spec"]["updateStrategy"]
@@ -184,7 +184,7 @@ def test_plugin_has_requests_limits_probes_priority_and_tolerations() -> None:
 
 def test_plugin_args_keep_the_defaults_the_manifest_relies_on() -> None:
     (container,) = pod_spec(PLUGIN)["containers"]
-    args = cli.build_parser().parse_args(container["args"])
+    args = cli.build_parser(container["args"]).parse_args(container["args"])
     assert args.device_plugin_dir == DEFAULT_DEVICE_PLUGIN_DIR
     assert str(args.fuse_device) == "/dev/fuse"
     assert args.resource_name == DEFAULT_RESOURCE_NAME
@@ -305,7 +305,7 @@ def test_installer_has_only_what_loading_apparmor_needs() -> None:
 
 def test_installer_args_and_volumes_match_the_cli_and_the_configmap() -> None:
     (container,) = pod_spec(INSTALLER)["containers"]
-    args = cli.build_parser().parse_args(container["args"])
+    args = cli.build_parser(container["args"]).parse_args(container["args"])
     assert args.command == "install-profiles"
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod_spec(INSTALLER)["volumes"]}

@@ -16,7 +16,8 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from fuse_plugin import cli, config
+from fuse_plugin import cli
+from fuse_plugin.args import env_name, optional_path
 from fuse_plugin.broker import protocol, server
 from tests.unit.test_manifests import (
     EXAMPLES,
@@ -169,9 +170,9 @@ def test_component_builds_onto_manifests_and_validates(tmp_path: Path, how: str)
     # broker's directory, and nothing else about the plugin pod changed.
     [plugin] = containers(daemonsets["fuse-device-plugin"])
     env = {e["name"]: e["value"] for e in plugin["env"]}
-    args = cli.build_parser().parse_args(plugin["args"])
-    assert env == {config.env_name("--broker-dir"): BROKER_DIR}
-    assert str(config.optional_path(env[config.env_name("--broker-dir")])) == BROKER_DIR
+    args = cli.build_parser(plugin["args"]).parse_args(plugin["args"])
+    assert env == {env_name("--broker-dir"): BROKER_DIR}
+    assert str(optional_path(env[env_name("--broker-dir")])) == BROKER_DIR
     assert args.command == "serve"
     plain = one(MANIFESTS / "plugin-daemonset.yaml", "DaemonSet")
     # One more hostPath, read-only: the plugin reads whether the broker's shim is there.
@@ -227,7 +228,7 @@ def test_broker_has_exactly_the_privileges_its_header_justifies() -> None:
 
 def test_broker_args_match_the_cli_and_the_plugin_patch() -> None:
     [container] = containers(DAEMONSET)
-    args = cli.build_parser().parse_args(container["args"])
+    args = cli.build_parser(container["args"]).parse_args(container["args"])
     assert args.command == "broker"
     assert str(args.dir) == BROKER_DIR
     [patched] = containers(PATCH)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fuse_plugin import config
+from fuse_plugin import args, config
 from fuse_plugin.doctor import explain as fuse_errors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ def test_readme_opens_with_the_two_setup_commands_ci_runs() -> None:
 
 def test_every_serve_flag_and_its_environment_twin_is_documented() -> None:
     for flag, _, _ in config.SERVE_FLAGS:
-        row = f"| `{flag}` | `{config.env_name(flag)}` | `{config.default(flag)}` |"
+        row = f"| `{flag}` | `{args.env_name(flag)}` | `{config.default(flag)}` |"
         assert row in README, f"README's flag table lacks {row}"
 
 

@@ -261,7 +261,8 @@ def test_preferred_allocation_ranks_ids_that_are_not_ours_last(server: grpc_test
 
 @pytest.fixture
 def wire(tmp_path: Path, state: DeviceState, stats: Stats
-         ) -> Generator[tuple[FuseServicer, grpc.UnaryUnaryMultiCallable[bytes, bytes]], None, None]:
+         ) -> Generator[tuple[FuseServicer, grpc.UnaryUnaryMultiCallable[bytes, bytes]],
+                        None, None]:
     """The servicer behind a real gRPC server on a unix socket, called with raw bytes."""
     plugin = FuseServicer(state, logging.getLogger("test"), stats)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))

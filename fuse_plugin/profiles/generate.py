@@ -1,4 +1,5 @@
-"""Flags and bodies of ``profile`` and ``install-profiles``; cli.py only wires them in.
+"""``fuse-device-plugin profile``: print or write a preset's AppArmor or seccomp profile,
+or lint profile files.
 
 Bad input (an unknown preset, an unsafe name or glob, a missing directory) is a one-line
 error with exit code 2 before anything is written; argparse does that for the flags we
@@ -10,11 +11,12 @@ from __future__ import annotations
 import argparse
 import os
 import stat
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from fuse_plugin import config, files, logs
+from fuse_plugin import files
 from fuse_plugin.errors import EXIT_USAGE, Failure
 from fuse_plugin.profiles import (
     PRESETS,
@@ -25,14 +27,6 @@ from fuse_plugin.profiles import (
     render_seccomp,
     validate,
 )
-from fuse_plugin.profiles.install import (
-    DEFAULT_APPARMOR_DIR,
-    DEFAULT_PARSER,
-    Installer,
-    NodePaths,
-)
-from fuse_plugin.profiles.presets import DEFAULT_SECCOMP_DIR
-from fuse_plugin.signals import stop_on_signals
 
 EXIT_FINDINGS = 1
 
@@ -47,7 +41,7 @@ def _arg(validator: Callable[[str], str]) -> Callable[[str], str]:
     return check
 
 
-def add_profile_flags(parser: argparse.ArgumentParser) -> None:
+def add_flags(parser: argparse.ArgumentParser) -> None:
     kinds = parser.add_subparsers(dest="kind", required=True, metavar="{apparmor,seccomp,lint}",
                                   parser_class=type(parser))
     presets_help = "; ".join(f"{name}: {preset.summary}" for name, preset in PRESETS.items())
@@ -69,7 +63,8 @@ def add_profile_flags(parser: argparse.ArgumentParser) -> None:
     check.add_argument("files", nargs="+", type=Path, metavar="FILE")
 
 
-def profile(args: argparse.Namespace, out: TextIO) -> int:
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = out or sys.stdout  # looked up now: a test may have replaced it
     if args.kind == "lint":
         return _lint(args.files, out)
     try:
@@ -136,48 +131,3 @@ def _lint_text(name: str, text: str) -> tuple[list[str], str | None]:
     return errors + admit.refusals(name, text), admit.generated(name, text)
 
 
-def add_install_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--source", required=True, type=config.absolute_path, metavar="DIR",
-                        help="directory with the profiles, usually the mounted ConfigMap: "
-                             "AppArmor files named after their profile, seccomp files *.json")
-    parser.add_argument("--apparmor-dir", type=config.absolute_path,
-                        default=DEFAULT_APPARMOR_DIR, metavar="DIR",
-                        help=f"where AppArmor profiles go (default: {DEFAULT_APPARMOR_DIR})")
-    parser.add_argument("--seccomp-dir", type=config.absolute_path,
-                        default=DEFAULT_SECCOMP_DIR, metavar="DIR",
-                        help=f"where seccomp profiles go (default: {DEFAULT_SECCOMP_DIR}; "
-                             "pods name them fuse-device-plugin/<preset>.json)")
-    parser.add_argument("--apparmor-parser", default=DEFAULT_PARSER, metavar="PROGRAM",
-                        help=f"the AppArmor parser to run (default: {DEFAULT_PARSER} on PATH)")
-    parser.add_argument("--sys-dir", type=config.absolute_path, default=Path("/sys"),
-                        metavar="DIR",
-                        help="where sysfs is mounted; AppArmor is detected and checked below "
-                             "it (default: /sys)")
-    parser.add_argument("--once", action="store_true",
-                        help="install and exit (exit 1 if a profile was rejected) instead of "
-                             "watching DIR; for init containers")
-    parser.add_argument(admit.FLAG, action="store_true",
-                        help="also install profiles that are not exactly this version's "
-                             "preset profiles (still refused: other profiles' names, "
-                             "runtime default names, attachments, hats, change_profile, "
-                             "bare mount/umount/pivot_root, exec transitions, seccomp "
-                             "allowing bpf, kexec, modules and the like; docs/profiles.md)")
-    parser.add_argument("--log-format", type=config.choice(logs.FORMATS), default="text",
-                        help="log line format: text or json")
-    parser.add_argument("--log-level", type=config.choice(logs.LEVELS), default="info",
-                        help="debug, info, warning or error")
-
-
-def install_profiles(args: argparse.Namespace, paths: NodePaths | None = None) -> int:
-    log = logs.setup(args.log_format, args.log_level)
-    source: Path = args.source
-    if not source.is_dir():
-        raise Failure(f"--source {source} is not a directory", EXIT_USAGE)
-    paths = paths or NodePaths.under_sys(
-        args.sys_dir, source=source, apparmor_dir=args.apparmor_dir,
-        seccomp_dir=args.seccomp_dir, parser=args.apparmor_parser)
-    installer = Installer(paths, log, allow_custom=args.allow_custom_profiles)
-
-    if not args.once:
-        stop_on_signals(log, installer.stop)
-    return installer.run(once=args.once)
