@@ -1,7 +1,10 @@
-"""Broker mode (issue 14): FUSE mounts for containers that hold no capability.
+"""Broker mode (issues 14, 20, 21): FUSE mounts for containers that hold no capability.
 
-``server`` is the node's broker (``fuse-device-plugin broker``), ``protocol`` what it and
-the fusermount3 shim (``shim/fusermount3.c``) say, ``policy`` its rules, ``caller`` who is
-asking, ``mounts`` how a mount reaches the caller's namespace, ``kernel`` the system calls.
-docs/broker.md explains the design.
+Follow a request from the socket to the mount in ``server`` (the loop: accept, rules,
+helper, reply); ``protocol`` is what it and the fusermount3 shim (``native/fusermount3.c``)
+say, ``caller`` who is asking (the kernel's view), ``policy`` every rule, ``helper`` the
+conversation with ``native/helper.c`` (the broker's hands in a caller's namespaces),
+``records`` what the broker mounted, ``mountinfo`` how its own directory shows in a
+mount table, ``probes`` and ``stats`` its probes and metrics, ``kernel`` one system call.
+docs/broker.md explains the design and the threat model.
 """
