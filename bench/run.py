@@ -812,43 +812,50 @@ def _allocate_rows(rows: list[Row], alloc: dict[str, Any], falloc: dict[str, Any
     return int(clients)
 
 
-def build_rows(plugin: dict[str, Any], floor: dict[str, Any], sizes: Sizes) -> list[Row]:
-    rows: list[Row] = []
+def _timing(rows: list[Row], key: str, figure: str, ours: dict[str, Any],
+            base: dict[str, Any] | None, *, limit: float | None = None,
+            on: str = "p99") -> None:
+    """A latency row: median and p99 against the floor's, with a target on one of them."""
+    median, p99 = _ms(ours)
+    fmed, fp99 = _ms(base) if base else (None, None)
+    ok = None
+    target = ""
+    if limit is not None:
+        ok = (median if on == "median" else p99) <= limit
+        target = f"{on} <= {limit:g} ms"
+    rows.append(Row(figure, median, p99, "ms", fmed, fp99, target, ok, key))
 
-    def timing(key: str, figure: str, ours: dict[str, Any], base: dict[str, Any] | None,
-               *, limit: float | None = None, on: str = "p99") -> None:
-        median, p99 = _ms(ours)
-        fmed, fp99 = _ms(base) if base else (None, None)
-        ok = None
-        target = ""
-        if limit is not None:
-            ok = (median if on == "median" else p99) <= limit
-            target = f"{on} <= {limit:g} ms"
-        rows.append(Row(figure, median, p99, "ms", fmed, fp99, target, ok, key))
 
+def _event_rows(rows: list[Row], plugin: dict[str, Any], floor: dict[str, Any]) -> None:
+    """1-3: re-registration, start-up and health changes."""
     rr, frr = plugin["reregister"], floor["reregister"]
-    timing("reregister", "1. kubelet.sock appears -> Register answered (incl. dial-back)",
-           rr["answered"], frr["answered"], limit=25, on="median")
-    timing("reregister_received", "   ... -> Register received", rr["received"],
-           frr["received"])
-    timing("reregister_listed", "   ... -> devices listed to the kubelet again", rr["listed"],
-           frr["listed"])
-    timing("start", "2. process start -> registered", plugin["start"], floor["start"], limit=1000)
+    _timing(rows, "reregister",
+            "1. kubelet.sock appears -> Register answered (incl. dial-back)",
+            rr["answered"], frr["answered"], limit=25, on="median")
+    _timing(rows, "reregister_received", "   ... -> Register received", rr["received"],
+            frr["received"])
+    _timing(rows, "reregister_listed", "   ... -> devices listed to the kubelet again",
+            rr["listed"], frr["listed"])
+    _timing(rows, "start", "2. process start -> registered", plugin["start"], floor["start"],
+            limit=1000)
     h, fh = plugin["health"], floor["health"]
     n = h["streams"]
-    timing("health_unhealthy", f"3. device removed -> Unhealthy on all {n} streams",
-           h["unhealthy"], fh["unhealthy"], limit=25)
-    timing("health_healthy", f"   device restored -> Healthy on all {n} streams", h["healthy"],
-           fh["healthy"], limit=25)
-    clients = _allocate_rows(rows, plugin["allocate"], floor["allocate"])
+    _timing(rows, "health_unhealthy", f"3. device removed -> Unhealthy on all {n} streams",
+            h["unhealthy"], fh["unhealthy"], limit=25)
+    _timing(rows, "health_healthy", f"   device restored -> Healthy on all {n} streams",
+            h["healthy"], fh["healthy"], limit=25)
+
+
+def _scale_rows(rows: list[Row], plugin: dict[str, Any], floor: dict[str, Any],
+                sizes: Sizes) -> None:
+    """5: the first list and Allocate as the slot count grows (Allocate must not)."""
     scale, fscale = plugin["scale"], floor["scale"]
     smallest, largest = str(min(sizes.scale_slots)), str(max(sizes.scale_slots))
     for slots in (str(s) for s in sizes.scale_slots):
         ours, base = scale[slots], fscale[slots]
-        timing(f"scale_{slots}_list",
-               f"{'5.' if slots == smallest else '  '} {int(slots):,} slots: ListAndWatch first "
-               f"list ({ours['list']['bytes']:,} B)",
-               ours["list"], base["list"])
+        _timing(rows, f"scale_{slots}_list",
+                f"{'5.' if slots == smallest else '  '} {int(slots):,} slots: ListAndWatch "
+                f"first list ({ours['list']['bytes']:,} B)", ours["list"], base["list"])
         ok = None
         target = ""
         if slots == largest:
@@ -860,6 +867,11 @@ def build_rows(plugin: dict[str, Any], floor: dict[str, Any], sizes: Sizes) -> l
         fmed, fp99 = _ms(base["allocate"])
         rows.append(Row(f"   {int(slots):,} slots: Allocate", median, p99, "ms", fmed, fp99,
                         target, ok, f"scale_{slots}_allocate"))
+
+
+def _memory_rows(rows: list[Row], plugin: dict[str, Any], floor: dict[str, Any],
+                 clients: int) -> None:
+    """6: RSS after registration, as deployed, after the loops, and its growth."""
     mem, stress, fstress = plugin["memory"], plugin["stress"], floor["stress"]
     fstart = fstress["start"]["VmRSS"] / 1024
     scraped = f" and {mem['deployed_calls']:,} scrapes" if mem["scraped"] else ""
@@ -892,6 +904,10 @@ def build_rows(plugin: dict[str, Any], floor: dict[str, Any], sizes: Sizes) -> l
                     round(after, 1), None, "MiB", round(fstress["after"]["VmRSS"] / 1024, 1),
                     key="rss_after_stress",
                     extra={"threads": stress["after"]["Threads"]}))
+
+
+def _idle_rows(rows: list[Row], plugin: dict[str, Any], floor: dict[str, Any]) -> None:
+    """7: idle CPU, the whole process and the plugin's own share."""
     idle, fidle = plugin["idle"], floor["idle"]
     rows.append(Row("7. idle CPU, one ListAndWatch open", idle["cpu_ms_per_s"], None, "ms/s",
                     fidle["cpu_ms_per_s"], key="idle_cpu",
@@ -907,6 +923,16 @@ def build_rows(plugin: dict[str, Any], floor: dict[str, Any], sizes: Sizes) -> l
     rows.append(Row("   the plugin's own (its Python threads beyond the floor's)", beyond,
                     None, "ms/s", target=f"<= {IDLE_MS_PER_S} ms/s",
                     ok=beyond <= IDLE_MS_PER_S, key="idle_cpu_beyond_floor"))
+
+
+def build_rows(plugin: dict[str, Any], floor: dict[str, Any], sizes: Sizes) -> list[Row]:
+    """Every figure of the table, in its order, each beside the floor's."""
+    rows: list[Row] = []
+    _event_rows(rows, plugin, floor)
+    clients = _allocate_rows(rows, plugin["allocate"], floor["allocate"])
+    _scale_rows(rows, plugin, floor, sizes)
+    _memory_rows(rows, plugin, floor, clients)
+    _idle_rows(rows, plugin, floor)
     return rows
 
 
