@@ -19,7 +19,8 @@ Why the rules are what they are:
   its paths mean something else than the broker reads. A user namespace that maps the
   node's uid 0 is not a pod's (the kubelet never maps it) and is refused.
 - Where: the path as the caller's namespace names it from its root, then the object the
-  helper reached: the filesystem it is on must be one people keep data on (the list
+  helper reached: not on a shared mount (the new mount would propagate to its peers,
+  which may be outside the container); the filesystem it is on must be one people keep data on (the list
   fusermount3 applies to users), and neither the path nor the mountpoint of the mount it
   is on may be in the kernel's or the image's system trees (``DENIED_TREES``). Renaming
   a parent cannot move a directory out of a mount, so the second test holds against
@@ -124,6 +125,7 @@ class Target:
     mount_id: int
     fstype: str
     mount_point: str
+    shared: bool  # the mount it is on is in a peer group (shared:N in mountinfo)
     mode: int
     owner: int  # as the caller's namespace names it
     writable: bool | None  # None: not judged (a root caller)
@@ -274,6 +276,10 @@ def room_for_another(held: int, limit: int, node_held: int, node_limit: int) -> 
 def may_mount(target: Target, opts: MountOptions, node_root: bool, allow_other: bool) -> None:
     """Judge the directory the helper reached and the caller's right to mount there."""
     _outside_denied_trees(target.mount_point, "the mountpoint is on the mount at")
+    if target.shared:
+        raise Refused(f"the mountpoint is on a shared mount (at {target.mount_point[:200]!r}): "
+                      "the FUSE mount would propagate to its peers, which may be outside "
+                      "the container", "path")
     if target.fstype not in MOUNTABLE:
         raise Refused(f"the mountpoint is on a {target.fstype[:64]} filesystem (mounted at "
                       f"{target.mount_point[:200]!r}): FUSE mounts go on data filesystems "

@@ -489,6 +489,7 @@ class Broker:
             target = policy.Target(
                 mount_id=_int(facts, "mount"),
                 fstype=facts.get("fstype", ""), mount_point=facts.get("mount_point", ""),
+                shared=facts.get("shared") == "1",
                 mode=int(facts.get("mode", "0"), 8), owner=_int(facts, "owner"),
                 writable={"1": True, "0": False}.get(facts.get("writable", "")),
                 uid=_int(facts, "uid"), gid=_int(facts, "gid"))

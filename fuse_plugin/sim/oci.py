@@ -138,6 +138,7 @@ class Bind:
     source: Path
     destination: str
     readonly: bool = False
+    propagation: str = "rprivate"  # mountPropagation: rslave (HostToContainer), rshared
 
 
 @dataclass
@@ -306,7 +307,7 @@ def _mounts(request: ContainerRequest, allocation: api.ContainerAllocateResponse
     volumes = [Bind(Path(m.host_path), m.container_path, m.read_only)
                for m in allocation.mounts] + list(request.binds)
     mounts += [{"destination": b.destination, "type": "bind", "source": str(b.source),
-                "options": ["rbind", "rprivate", "ro" if b.readonly else "rw"]}
+                "options": ["rbind", b.propagation, "ro" if b.readonly else "rw"]}
                for b in volumes]
     mounts += [{"destination": target, "type": "tmpfs", "source": "tmpfs",
                 "options": list(EMPTY_DIR_OPTIONS)} for target in request.tmpfs]

@@ -391,3 +391,21 @@ def test_a_helper_stuck_on_a_tenants_daemon_is_freed_by_aborting_its_connections
         finally:
             stuck.stop()
             stall.release()
+
+
+def test_a_mountpoint_on_a_shared_mount_is_refused(scene: Scene, tmp_path: Path) -> None:
+    """A volume shared with the node (mountPropagation: Bidirectional, or a node mount in
+    a peer group): a FUSE mount made on it would propagate out of the container."""
+    shared = tmp_path / "shared"
+    (shared / "sub").mkdir(parents=True)
+    subprocess.run(["mount", "--bind", str(shared), str(shared)], check=True, timeout=30)
+    try:
+        subprocess.run(["mount", "--make-shared", str(shared)], check=True, timeout=30)
+        attacker = scene.attacker(extra=oci.Bind(shared, "/vol", propagation="rshared"))
+        answer = attack(attacker, "ask", "--fuse", "op=mount", "path=/vol/sub")
+        assert answer["status"] == "error"
+        assert "is on a shared mount" in answer["message"]
+        assert attacker.mounts() == []
+        assert oci.fuse_mounts_of(os.getpid()) == []  # nothing reached the node
+    finally:
+        subprocess.run(["umount", "-l", str(shared)], check=False, timeout=30)

@@ -193,7 +193,7 @@ def test_quotas_per_container_and_for_the_node() -> None:
 
 def target(**changes: object) -> Target:
     fields: dict[str, object] = dict(
-        mount_id=40, fstype="overlay", mount_point="/", mode=0o755,
+        mount_id=40, fstype="overlay", mount_point="/", shared=False, mode=0o755,
         owner=1000, writable=True, uid=1000, gid=1000)
     fields.update(changes)
     return Target(**fields)  # type: ignore[arg-type]
@@ -204,6 +204,7 @@ def target(**changes: object) -> Target:
     ({"fstype": "fuse.sshfs", "mount_point": "/mnt/f"}, True, "on a fuse.sshfs filesystem"),
     ({"fstype": "fuseblk", "mount_point": "/mnt/b"}, True, "on a fuseblk filesystem"),
     ({"fstype": "tmpfs", "mount_point": "/dev"}, True, "on the mount at '/dev'"),
+    ({"shared": True, "mount_point": "/mnt/vol"}, True, "is on a shared mount"),
     ({"fstype": "tmpfs", "mount_point": "/run/fuse-broker"}, True, "under /run/fuse-broker"),
     ({"writable": False, "owner": 0}, False, "may not write the mountpoint"),
     ({"mode": 0o1777, "owner": 0}, False, "sticky and owned by uid 0"),

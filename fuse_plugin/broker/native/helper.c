@@ -130,6 +130,7 @@ struct fields {
 struct mount {
 	unsigned long id;
 	char *dev, *root, *point, *options, *fstype, *super;
+	int shared; /* a peer group member: a mount on it would propagate to its peers */
 };
 
 struct table {
@@ -303,11 +304,17 @@ static void read_table(int proc, struct table *t)
 		char *field[10], *save = NULL, *dash = strstr(line, " - ");
 		struct mount *m = &t->mounts[t->count];
 		int n = 0;
+
+		m->shared = 0;
 		if (!dash)
 			continue;
 		*dash = '\0';
-		for (char *w = strtok_r(line, " ", &save); w && n < 6; w = strtok_r(NULL, " ", &save))
-			field[n++] = w;
+		for (char *w = strtok_r(line, " ", &save); w; w = strtok_r(NULL, " ", &save)) {
+			if (n < 6)
+				field[n++] = w;
+			else if (strncmp(w, "shared:", 7) == 0)
+				m->shared = 1; /* optional fields until the dash: shared:N, master:N */
+		}
 		if (n < 6)
 			continue;
 		m->id = strtoul(field[0], NULL, 10);
@@ -657,8 +664,9 @@ static void mount_op(int proc, int fuse, const struct fields *req, int check)
 	root[0] = (st.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT)
 		  && (st.stx_attributes & STATX_ATTR_MOUNT_ROOT) ? '1' : '0';
 	root[1] = '\0';
-	say("status", "facts", "mount", mount, "fstype", m->fstype, "mount_point", m->point, "mount_root", root, "mode", mode,
-	    "owner", owner, "writable", writable, "uid", ids[0], "gid", ids[1], NULL);
+	say("status", "facts", "mount", mount, "fstype", m->fstype, "mount_point", m->point,
+	    "mount_root", root, "shared", m->shared ? "1" : "0", "mode", mode, "owner", owner,
+	    "writable", writable, "uid", ids[0], "gid", ids[1], NULL);
 	hear(buf, &verdict);
 	if (strcmp(get(&verdict, "go"), "1") != 0)
 		_exit(0);
