@@ -63,3 +63,88 @@ def test_quick_benchmark_reports_every_figure(tmp_path: Path) -> None:
     # The plugin ran as the DaemonSet runs it (its metrics port moved to a free one).
     assert result["serve_flags"] == ["--metrics-port=9402"]
     assert figures["rss_deployed"]["figure"].endswith("scrapes")
+
+
+# -- bench/broker.py: where a mount's time goes, read from `perf trace` -------------------
+
+BROKER_PID = 100
+# One mount through the broker as perf trace prints it (perf 6.1): the program, the
+# shim, the broker's loop (python) and its helper. A call that blocked shows up twice:
+# entered ("...") and then "[continued]" with its start and duration.
+BROKERED_RUN = """\
+2000.000 ( 0.100 ms): squashfuse/300 execve(filename: 0x1, argv: 0x2, envp: 0x3) = 0
+2001.000 ( 0.020 ms): squashfuse/300 mount(flags: NOSUID|NODEV) = -1 EPERM
+2001.500 ( 0.100 ms): fusermount3/301 execve(filename: 0x1, argv: 0x2, envp: 0x3) = 0
+2001.700 ( 0.030 ms): fusermount3/301 connect(fd: 7, uservaddr: 0x1, addrlen: 110)               = 0
+2001.800 ( 0.020 ms): python/100 accept4(fd: 6, flags: 524288) = 11
+2001.850 ( 0.010 ms): python/100 accept4(fd: 6, flags: 524288) = -1 EAGAIN
+2001.900 ( 0.020 ms): fusermount3/301 sendto(fd: 7, buff: 0x1, len: 82, flags: NOSIGNAL) = 82
+2001.950 (         ): fusermount3/301 recvfrom(fd: 7, ubuf: 0x1, size: 16383)                 ...
+2002.000 ( 0.020 ms): python/100 recvfrom(fd: 11, ubuf: 0x1, size: 16385)                   = 82
+         ? (         ): python/302  ... [continued]: vfork())      = 0
+2002.300 (         ): python/100 vfork()      ...
+2002.500 ( 0.100 ms): fuse-broker-he/302 execve(filename: 0x1, argv: 0x2, envp: 0x3) = 0
+2002.300 ( 0.400 ms): python/100  ... [continued]: vfork())      = 302
+2002.800 ( 0.020 ms): python/100 sendto(fd: 14, buff: 0x1, len: 105)                        = 105
+SETGROUPS
+2003.000 ( 0.020 ms): fuse-broker-he/302 sendto(fd: 15, buff: 0x1, len: 58, flags: NOSIGNAL) = 58
+2003.100 ( 0.020 ms): python/100 sendto(fd: 14, buff: 0x1, len: 5)                          = 5
+2003.300 ( 0.020 ms): fuse-broker-he/302 sendto(fd: 15, buff: 0x1, len: 102, flags: NOSIGNAL) = 102
+2003.400 ( 0.020 ms): python/100 sendto(fd: 14, buff: 0x1, len: 56)                         = 56
+2003.800 ( 0.020 ms): fuse-broker-he/302 sendto(fd: 15, buff: 0x1, len: 111, flags: NOSIGNAL) = 111
+2004.300 ( 0.020 ms): python/100 sendto(fd: 11, buff: 0x1, len: 23)                         = 23
+2001.950 ( 2.400 ms): fusermount3/301  ... [continued]: recvfrom())      = 23
+2004.400 ( 0.020 ms): fusermount3/301 sendmsg(fd: 4, msg: 0x1, flags: NOSIGNAL)                  = 1
+2004.900 (         ): squashfuse/300 exit_group()      = ?
+"""
+DIRECT_RUN = """\
+1000.000 ( 0.100 ms): squashfuse/200 execve(filename: 0x1, argv: 0x2, envp: 0x3) = 0
+1001.000 ( 0.050 ms): squashfuse/200 mount(flags: NOSUID|NODEV) = 0
+1001.500 (         ): squashfuse/200 exit_group()      = ?
+"""
+
+
+def _shifted(text: str, ms: float, pids: int) -> str:
+    """The same run later, with other pids (the broker's own stays)."""
+    out = []
+    for line in text.splitlines():
+        stamp, sep, rest = line.partition(" (")
+        if stamp.strip() not in ("?", "SETGROUPS"):
+            stamp = f"{float(stamp) + ms:.3f}"
+        for pid in (300, 301, 302):
+            rest = rest.replace(f"/{pid} ", f"/{pid + pids} ").replace(
+                f"= {pid}", f"= {pid + pids}")
+        out.append(stamp + sep + rest)
+    return "\n".join(out) + "\n"
+
+
+def test_broker_breakdown_reads_every_step_of_a_mount_from_perf_trace() -> None:
+    from bench import broker as bench_broker
+
+    root = BROKERED_RUN.replace("SETGROUPS\n", "")
+    nonroot = _shifted(BROKERED_RUN, 1000, 100).replace(
+        "SETGROUPS", "3002.650 ( 0.010 ms): fuse-broker-he/402 setgroups(gidsetsize: 0, "
+                     "grouplist: 0x1) = 0")
+    events = bench_broker.parse_trace(DIRECT_RUN + root + nonroot + "garbage line\n")
+    runs = bench_broker.classify(events, BROKER_PID)
+    assert [len(runs[mode]) for mode in bench_broker.MODES] == [1, 1, 1]
+    [direct] = runs["direct"]
+    assert direct == pytest.approx({"program": 1.05, "daemonize": 0.45, "total": 1.5})
+    expected = {"program": 1.02, "shim": 0.71, "accept": 0.09, "identify": 0.2,
+                "prepare": 0.28, "spawn": 0.4, "enter": 0.42, "walk": 0.3, "verdict": 0.1,
+                "mount": 0.4, "reply": 0.5, "handback": 0.1, "daemonize": 0.48,
+                "total": 4.9, "broker_side": 2.5}
+    for mode in ("broker", "broker-nonroot"):
+        [run] = runs[mode]
+        assert run == pytest.approx(expected), mode
+    # Every step of the brokered path is a row of the table, in order.
+    assert [key for key, _ in bench_broker.BROKER_PHASES] == list(expected)[:13]
+
+
+def test_broker_breakdown_skips_a_run_the_trace_lost_a_step_of() -> None:
+    from bench import broker as bench_broker
+
+    lost = "".join(line + "\n" for line in BROKERED_RUN.replace("SETGROUPS\n", "")
+                   .splitlines() if "sendmsg" not in line)
+    runs = bench_broker.classify(bench_broker.parse_trace(lost), BROKER_PID)
+    assert runs == {mode: [] for mode in bench_broker.MODES}

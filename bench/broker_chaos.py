@@ -1,0 +1,545 @@
+"""The broker under chaos (issue 20): several hostile containers at once, while
+well-behaved ones keep mounting.
+
+Run from the repository root, as root, with runc, /dev/fuse and squashfuse::
+
+    .venv/bin/python -m bench.broker_chaos            # full run, about 75 seconds
+    .venv/bin/python -m bench.broker_chaos --quick    # smoke run
+
+The real broker runs with its DaemonSet's flags (``manifests/broker/
+broker-daemonset.yaml``; the metrics port moved to a free one). Containers get the real
+plugin's broker-mode Allocate answer. Six hostile tenants (``bench/chaos_tenant.py``,
+each in a container of its own, root with the runtime's default capabilities and
+seccomp rules) attack at once:
+
+- *stall*: a FUSE mount whose daemon never answers, and a rename race through it;
+- *chroot*: unmount /keys and /irq while the root flips between decoy mounts and /proc
+  (the runtime's masks over /proc/keys and /proc/irq);
+- *silent*: connections that never say a word, 200 at a time;
+- *descriptors*: requests carrying a TCP socket whose close lingers (SCM_RIGHTS);
+- *pin*: mount, pin with O_PATH, lazily unmount, past the quota, again and again;
+- *flood*: requests as fast as 8 threads can send them.
+
+Meanwhile two well-behaved containers, one root and one uid 1000 with a restricted
+context, mount squashfuse through the shim, read a file and unmount, in a loop
+(``bench/broker_probe.py cycle``). A round lasts 30 s; there are two, then a third in
+which the broker gets SIGTERM.
+
+Figures and targets (issue 20's): the well-behaved mount latency (p50, p99 < 100 ms) and
+failures (none); every request answered (good and hostile: no connection closed or left
+without a reply); the longest wait of a complete request (<= the helper deadline,
+server.HELPER_DEADLINE) and of a silent connection (<= the request deadline and a loop
+turn); helpers killed at their deadline (broker.stalled); the broker's RSS and open fds
+before, during and after (fds back to the baseline once the attackers have left, RSS
+flat from one round to the next); /healthz answers during the chaos; SIGTERM during the
+chaos to exit (0, within the pod's terminationGracePeriodSeconds). Prints a table,
+writes JSON to ``bench/results/broker_chaos.json`` (or ``--out``), exits 3 when a
+target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import broker as bench
+from fuse_plugin.broker import protocol
+from fuse_plugin.broker.server import HELPER_DEADLINE, REQUEST_DEADLINE, TURN
+from fuse_plugin.sim import oci
+from tests.containers import broker as broker_rig
+from tests.containers import workloads
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "broker_chaos.json"
+TOOL = "/bench/chaos_tenant.py"
+MOUNTPOINT = "/mnt/good"
+EXIT_TARGET_MISSED = 3
+P99_TARGET_MS = 100.0
+RSS_FLAT_MIB = 1.0  # growth from the first round's end to the last one's
+SETTLE_TIMEOUT = 30.0  # for the fds to come back once the attackers have left
+GOOD = ("good-root", "good-nonroot")
+HOSTILE = ("stall", "chroot", "silent", "descriptors", "pin", "flood")
+# Tools whose connections never carry a complete request: answered at the request
+# deadline, or refused at accept.
+SILENT = ("silent", "descriptors")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    seconds: float = 30.0  # one chaos round
+    rounds: int = 2  # then the SIGTERM round
+    stop_seconds: float = 8.0  # the SIGTERM round's attack
+    silent: int = 200
+    descriptors: int = 16
+    pin: int = 40
+    flood_threads: int = 8
+
+
+FULL = Sizes()
+QUICK = Sizes(seconds=6.0, rounds=1, stop_seconds=6.0, silent=50, descriptors=8, pin=36,
+              flood_threads=4)
+
+
+def blockers() -> list[str]:
+    return oci.runc_blockers() + [f"{tool} is not installed" for tool in
+                                  ("squashfuse", "mksquashfs") if shutil.which(tool) is None]
+
+
+def tool_args(name: str, seconds: float, sizes: Sizes) -> list[str]:
+    extra = {"silent": [sizes.silent], "descriptors": [sizes.descriptors],
+             "pin": [sizes.pin], "flood": [sizes.flood_threads]}.get(name, [])
+    return ["python3", TOOL, protocol.CONTAINER_SOCKET, protocol.VERSION, name,
+            str(seconds), *map(str, extra)]
+
+
+def good_args(seconds: float) -> list[str]:
+    return ["python3", bench.PROBE, "cycle", bench.IMAGE, MOUNTPOINT, bench.BIG,
+            str(seconds), "fusermount3", "-u"]
+
+
+# -- watching the broker ------------------------------------------------------------------
+
+
+@dataclass
+class Watch:
+    """The broker's RSS and fds, and its /healthz, sampled while a round runs."""
+
+    pid: int
+    port: int
+    rss_kib: list[int] = field(default_factory=list)
+    fds: list[int] = field(default_factory=list)
+    healthz_ok: int = 0
+    healthz_failed: list[str] = field(default_factory=list)
+    healthz_max_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Watch:
+        self._sched = schedstat(self.pid)
+        self._wall = time.monotonic()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+        wall = time.monotonic() - self._wall
+        ran, waited = schedstat(self.pid)
+        self.cpu_share = (ran - self._sched[0]) / wall
+        self.wait_share = (waited - self._sched[1]) / wall
+
+    def _run(self) -> None:
+        while not self._done.wait(0.25):
+            try:
+                self.rss_kib.append(bench.rss_kib(self.pid))
+                self.fds.append(bench.fd_count(self.pid))
+            except OSError:
+                return  # the broker has exited (the SIGTERM round)
+            if self.port:
+                self._probe()
+
+    def _probe(self) -> None:
+        started = time.perf_counter()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz",
+                                        timeout=5) as answer:
+                status = answer.status
+        except OSError as err:
+            if not self._done.is_set():
+                self.healthz_failed.append(str(err)[:120])
+            return
+        self.healthz_max_ms = max(self.healthz_max_ms, (time.perf_counter() - started) * 1000)
+        if status == 200:
+            self.healthz_ok += 1
+        else:
+            self.healthz_failed.append(f"HTTP {status}")
+
+
+def schedstat(pid: int) -> tuple[float, float]:
+    """Seconds the process's threads have spent on a CPU, and runnable waiting for one
+    (/proc/PID/task/*/schedstat); zeros once it has exited."""
+    ran = waited = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0, 0.0
+    for tid in tasks:
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
+            ran, waited = ran + int(fields[0]), waited + int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return ran / 1e9, waited / 1e9
+
+
+# -- the scene ----------------------------------------------------------------------------
+
+
+class Scene:
+    """A broker with its DaemonSet's flags, two well-behaved containers and six hostile
+    ones, all from the real plugin's broker-mode Allocate answer."""
+
+    def __init__(self, stack: ExitStack, work: Path, cpu_request: int = 0) -> None:
+        self.work = work
+        image = bench.make_image(work / "image", 1)
+        broker_dir = work / "broker-dir"
+        self.broker, self.flags = bench.start_broker(broker_dir, work / "broker")
+        stack.callback(self.broker.stop)
+        if cpu_request:
+            stack.enter_context(bench.cpu_request(self.broker.pid, cpu_request,
+                                                  f"fuse-chaos-broker-{os.getpid()}"))
+        self.port = next((int(f.split("=", 1)[1]) for f in self.flags
+                          if f.startswith("--metrics-port=")), 0)
+        self.rss_start_kib = bench.rss_kib(self.broker.pid)
+        self.fds_start = bench.fd_count(self.broker.pid)
+        allocation = broker_rig.allocation(work / "plugin", broker_dir)
+        runc = stack.enter_context(oci.Runc(prefix="fuse-chaos"))
+        binds = [oci.Bind(image, bench.IMAGE, True), oci.Bind(HERE, "/bench", True)]
+        requests = {"good-root": bench.root_pod(allocation, binds),
+                    "good-nonroot": bench.restricted_pod(allocation, binds, work)}
+        requests |= {name: bench.root_pod(allocation, binds) for name in HOSTILE}
+        self.containers = {name: runc.create(oci.build_spec(request), name).start()
+                           for name, request in requests.items()}
+        self.cgroups = {name: cgroup_of(c.pid) for name, c in self.containers.items()}
+        self.outputs = work / "outputs"
+        self.outputs.mkdir()
+
+    def spawn(self, name: str, args: Sequence[str], tag: str) -> tuple[subprocess.Popen[bytes],
+                                                                       Path]:
+        container = self.containers[name]
+        out = self.outputs / f"{tag}-{name}.out"
+        with out.open("wb") as stdout, (self.outputs / f"{tag}-{name}.err").open("wb") as err:
+            proc = subprocess.Popen(container.runc.command("exec", container.id, *args),
+                                    stdin=subprocess.DEVNULL, stdout=stdout, stderr=err)
+        container.daemons.append(proc)
+        return proc, out
+
+    def events_since(self, mark: int) -> list[dict[str, Any]]:
+        return self.broker.events()[mark:]
+
+
+def cgroup_of(pid: int) -> str:
+    """As the broker names a caller's container (caller._cgroup): the unified path."""
+    lines = [line.split(":", 2) for line in
+             Path(f"/proc/{pid}/cgroup").read_text().splitlines()]
+    return next((path for _, controllers, path in lines if controllers == ""), lines[0][2])
+
+
+# -- one round ----------------------------------------------------------------------------
+
+
+@dataclass
+class Round:
+    tools: dict[str, dict[str, Any]]
+    events: dict[str, Any]
+    rss_max_kib: int
+    fds_max: int
+    healthz: dict[str, Any]
+    cpu_share: float = 0.0  # of one CPU, over the round
+    wait_share: float = 0.0  # runnable, waiting for a CPU (summed over its threads)
+    fds_after: int = -1
+    fds_settle_s: float = 0.0
+    rss_after_kib: int = 0
+    stop: dict[str, Any] = field(default_factory=dict)
+
+
+def attack(scene: Scene, sizes: Sizes, seconds: float, tag: str,
+           during: Callable[[int], dict[str, Any]] | None = None) -> Round:
+    """Every hostile tool and every well-behaved loop at once, for ``seconds``."""
+    mark = len(scene.broker.events())
+    watch = Watch(scene.broker.pid, scene.port).start()
+    running = {name: scene.spawn(name, tool_args(name, seconds, sizes), tag)
+               for name in HOSTILE}
+    running |= {name: scene.spawn(name, good_args(seconds), tag) for name in GOOD}
+    stop = during(mark) if during is not None else {}
+    tools: dict[str, dict[str, Any]] = {}
+    for name, (proc, out) in running.items():
+        try:
+            proc.wait(seconds + 120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+            raise AssertionError(f"{tag}: {name} did not finish") from None
+        text = out.read_text(errors="replace")
+        if proc.returncode != 0 or not text.strip():
+            err = out.with_suffix(".err").read_text(errors="replace")
+            raise AssertionError(f"{tag}: {name} exited {proc.returncode}: {text}{err}")
+        tools[name] = json.loads(text.strip().splitlines()[-1])
+    watch.stop()
+    return Round(tools=tools, events=tally_events(scene, scene.events_since(mark)),
+                 rss_max_kib=max(watch.rss_kib, default=0), fds_max=max(watch.fds, default=0),
+                 healthz={"ok": watch.healthz_ok, "failed": len(watch.healthz_failed),
+                          "failures": watch.healthz_failed[:5],
+                          "max_ms": round(watch.healthz_max_ms, 2)},
+                 cpu_share=round(watch.cpu_share, 3), wait_share=round(watch.wait_share, 3),
+                 stop=stop)
+
+
+def tally_events(scene: Scene, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the broker's log says about the round: helpers killed at their deadline,
+    connections aborted, failures, and what the well-behaved containers got."""
+    names = {cgroup: name for name, cgroup in scene.cgroups.items()}
+    counts: dict[str, dict[str, int]] = {}
+    durations: dict[str, list[float]] = {name: [] for name in GOOD}
+    for event in events:
+        kind = str(event.get("event", ""))
+        if not kind.startswith("broker."):
+            continue
+        who = names.get(str(event.get("cgroup", "")), "other")
+        counts.setdefault(kind, {}).setdefault(who, 0)
+        # A refusal at accept is one line a second for any number of connections.
+        counts[kind][who] += int(event.get("connections", 1))
+        if who in GOOD and kind == "broker.mount":
+            durations[who].append(float(event["duration_ms"]))
+    return {
+        "counts": counts,
+        "stalled": sum(counts.get("broker.stalled", {}).values()),
+        "aborted": len([e for e in events if e.get("event") == "broker.aborted"]),
+        "good_failed": sum(counts.get("broker.failed", {}).get(n, 0) for n in GOOD),
+        "good_stalled": sum(counts.get("broker.stalled", {}).get(n, 0) for n in GOOD),
+        "good_refused": sum(counts.get("broker.refused", {}).get(n, 0) for n in GOOD),
+        "good_broker_side_ms": {n: _quantiles(v) for n, v in durations.items()},
+    }
+
+
+def settle_after(scene: Scene, result: Round) -> None:
+    """The attackers have left: the broker's fds must come back to the baseline."""
+    pid = scene.broker.pid
+    result.fds_after, result.fds_settle_s = bench.settle(
+        lambda: bench.fd_count(pid), scene.fds_start, SETTLE_TIMEOUT)
+    result.rss_after_kib = bench.rss_kib(pid)
+
+
+def sigterm_during(scene: Scene, grace: float) -> Callable[[int], dict[str, Any]]:
+    """Once the chaos is under way (well-behaved mounts and hostile requests in the
+    broker's log since the round began), SIGTERM; then wait for the exit, at most the
+    pod's grace period."""
+    def during(mark: int) -> dict[str, Any]:
+        good = {scene.cgroups[n] for n in GOOD}
+        hostile = {scene.cgroups[n] for n in HOSTILE}
+
+        def under_way() -> bool:
+            events = scene.events_since(mark)
+            return (sum(1 for e in events if e.get("event") == "broker.mount"
+                        and e.get("cgroup") in good) >= 2
+                    and any(e.get("cgroup") in hostile for e in events))
+
+        workloads.wait_for(under_way, 60, "the chaos to be under way")
+        proc = scene.broker.proc
+        assert proc is not None
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code: int | None = proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            code = None
+        seconds = time.monotonic() - started
+        if code is None:
+            proc.kill()
+            proc.wait(10)
+        return {"exit_code": code, "seconds": round(seconds, 3), "grace_s": grace,
+                "stopped_event": bool(scene.broker.events("stopped"))}
+    return during
+
+
+# -- the run ------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    flags: list[str]
+    rss_start_kib: int
+    fds_start: int
+    rounds: list[Round]
+    final: Round
+    cgroups: dict[str, str]
+
+
+def run(sizes: Sizes, cpu_request: int = 0) -> Report:
+    """The rounds and the SIGTERM round. ``cpu_request`` (millicores): run the broker in
+    a CPU cgroup of its own with the weight of a pod that requests that much (0: where
+    the benchmark runs)."""
+    with ExitStack() as stack:
+        work = Path(tempfile.mkdtemp(prefix="fuse-bench-chaos-"))
+        stack.callback(shutil.rmtree, work, True)
+        scene = Scene(stack, work, cpu_request)
+        rounds = []
+        for k in range(sizes.rounds):
+            result = attack(scene, sizes, sizes.seconds, f"round{k + 1}")
+            settle_after(scene, result)
+            rounds.append(result)
+        final = attack(scene, sizes, sizes.stop_seconds, "sigterm",
+                       sigterm_during(scene, bench.grace_period()))
+        return Report(scene.flags, scene.rss_start_kib, scene.fds_start, rounds, final,
+                      scene.cgroups)
+
+
+# -- figures ------------------------------------------------------------------------------
+
+
+def _quantiles(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {"n": 0, "p50": 0.0, "p99": 0.0, "max": 0.0}
+    return {"n": len(values), "p50": round(statistics.median(values), 2),
+            "p99": round(bench.percentile(values, 99), 2), "max": round(max(values), 2)}
+
+
+@dataclass
+class Figure:
+    label: str
+    value: str
+    target: str = ""
+    ok: bool | None = None
+
+
+def figures(report: Report) -> list[Figure]:
+    rounds = report.rounds
+    out: list[Figure] = []
+    for name in GOOD:
+        mounts = [v for r in rounds for v in r.tools[name]["mount_ms"]]
+        failed = sum(r.tools[name]["failed"] for r in rounds)
+        q = _quantiles(mounts)
+        out.append(Figure(f"{name}: mount latency p50 / p99 / max",
+                          f"{q['p50']:.1f} / {q['p99']:.1f} / {q['max']:.1f} ms "
+                          f"({q['n']} mounts)", f"p99 < {P99_TARGET_MS:g} ms",
+                          q["n"] > 0 and q["p99"] < P99_TARGET_MS))
+        out.append(Figure(f"{name}: failed mounts, reads or unmounts", str(failed), "0",
+                          failed == 0 and q["n"] > 0))
+    unanswered = {name: sum(r.tools[name]["requests"]["unanswered"] for r in rounds)
+                  for name in HOSTILE}
+    requests = {name: sum(r.tools[name]["requests"]["requests"] for r in rounds)
+                for name in HOSTILE}
+    out.append(Figure("hostile requests and connections / left without an answer",
+                      f"{sum(requests.values()):,} / {sum(unanswered.values())} "
+                      f"({', '.join(f'{n} {requests[n]:,}' for n in HOSTILE)})",
+                      "all answered", sum(unanswered.values()) == 0))
+    complete = max(r.tools[n]["requests"]["wait_ms"]["max"] for r in rounds
+                   for n in HOSTILE if n not in SILENT)
+    silent = max(r.tools[n]["requests"]["wait_ms"]["max"] for r in rounds for n in SILENT)
+    out.append(Figure("longest wait of a complete request", f"{complete:.1f} ms",
+                      f"<= {HELPER_DEADLINE:g} s (helper deadline)",
+                      complete <= HELPER_DEADLINE * 1000))
+    out.append(Figure("longest wait of a silent connection for its answer",
+                      f"{silent:.1f} ms",
+                      f"<= {REQUEST_DEADLINE + TURN:g} s (request deadline + a turn)",
+                      silent <= (REQUEST_DEADLINE + TURN) * 1000))
+    out.append(Figure("broker on a CPU / runnable waiting for one, per round",
+                      ", ".join(f"{r.cpu_share:.0%} / {r.wait_share:.0%}" for r in rounds)
+                      + " of the time"))
+    stalled = sum(r.events["stalled"] for r in rounds)
+    good_bad = sum(r.events["good_failed"] + r.events["good_stalled"] for r in rounds)
+    out.append(Figure("helpers killed at their deadline (broker.stalled) / aborted",
+                      f"{stalled} / {sum(r.events['aborted'] for r in rounds)}"))
+    out.append(Figure("broker.failed or broker.stalled for a well-behaved container",
+                      str(good_bad), "0", good_bad == 0))
+    rss = [r.rss_after_kib / 1024 for r in rounds]
+    out.append(Figure("broker RSS: start / max during / after each round",
+                      f"{report.rss_start_kib / 1024:.1f} / "
+                      f"{max(r.rss_max_kib for r in rounds) / 1024:.1f} / "
+                      + ", ".join(f"{v:.1f}" for v in rss) + " MiB",
+                      f"flat: last - first round <= {RSS_FLAT_MIB:g} MiB" if len(rss) > 1
+                      else "", rss[-1] - rss[0] <= RSS_FLAT_MIB if len(rss) > 1 else None))
+    fds_ok = all(r.fds_after == report.fds_start for r in rounds)
+    out.append(Figure("broker open fds: start / max during / after each round",
+                      f"{report.fds_start} / {max(r.fds_max for r in rounds)} / "
+                      + ", ".join(f"{r.fds_after} (in {r.fds_settle_s:.1f} s)"
+                                  for r in rounds),
+                      "back to the start", fds_ok))
+    health = [r.healthz for r in rounds]
+    out.append(Figure("/healthz during the chaos: answered 200 / failed / slowest",
+                      f"{sum(h['ok'] for h in health)} / {sum(h['failed'] for h in health)} / "
+                      f"{max(h['max_ms'] for h in health):.1f} ms"))
+    stop = report.final.stop
+    out.append(Figure("SIGTERM during the chaos until the broker exits",
+                      f"{stop['seconds']:.2f} s, exit code {stop['exit_code']}",
+                      f"exit 0 within {stop['grace_s']:g} s (grace period)",
+                      stop["exit_code"] == 0))
+    reset = sum(t["requests"]["status"].get("closed", 0)
+                for n, t in report.final.tools.items() if n in HOSTILE)
+    out.append(Figure("  at the stop: connections reset without an answer",
+                      f"{reset} (in the listen backlog when it closed)"))
+    return out
+
+
+def as_json(report: Report, table: list[Figure], sizes: Sizes,
+            load_before: tuple[float, float, float], cpu_request: int = 0) -> dict[str, Any]:
+    def slim(r: Round) -> dict[str, Any]:
+        out = asdict(r)
+        for name in GOOD:  # the samples are long: their quantiles are enough here
+            tool = out["tools"][name]
+            tool["mount_q"] = _quantiles(tool.pop("mount_ms"))
+            tool["unmount_q"] = _quantiles(tool.pop("unmount_ms"))
+        return out
+
+    return {
+        "machine": {"cpus": os.cpu_count(), "kernel": platform.release(),
+                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "broker_flags": report.flags,
+        "broker_cpu_request_millicores": cpu_request,
+        "sizes": asdict(sizes),
+        "cgroups": report.cgroups,
+        "broker": {"rss_start_kib": report.rss_start_kib, "fds_start": report.fds_start},
+        "rounds": [slim(r) for r in report.rounds],
+        "sigterm_round": slim(report.final),
+        "figures": [asdict(f) for f in table],
+        "passed": all(f.ok is not False for f in table),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.broker_chaos", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON (default {RESULTS})")
+    parser.add_argument("--broker-cpu-request", type=int, default=0, metavar="MILLICORES",
+                        help="run the broker with the CPU weight of a pod requesting this "
+                             "much (the DaemonSet requests 10); default: no cgroup of its "
+                             "own (each container has the weight of a 1-CPU request)")
+    args = parser.parse_args(argv)
+    problems = blockers()
+    if problems:
+        print(f"bench.broker_chaos: cannot run here: {'; '.join(problems)}", file=sys.stderr)
+        return 1
+    sizes = QUICK if args.quick else FULL
+    load_before = os.getloadavg()
+    report = run(sizes, args.broker_cpu_request)
+    table = figures(report)
+    weight = (f"the broker weighted as a {args.broker_cpu_request}m CPU request"
+              if args.broker_cpu_request else "the broker in the benchmark's CPU cgroup")
+    print(f"1-minute load before the run {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f} "
+          f"({os.cpu_count()} CPUs); {sizes.rounds} rounds of {sizes.seconds:g} s, then "
+          f"SIGTERM in a third; {weight}\n")
+    for f in table:
+        verdict = "" if f.ok is None else ("PASS" if f.ok else "FAIL")
+        print(f"{f.label:<62} {f.value:<48} {f.target:<36} {verdict}")
+    if load_before[0] / (os.cpu_count() or 1) > bench.BUSY_PER_CPU:
+        print(f"\nwarning: the machine was busy before the run (1-minute load "
+              f"{load_before[0]:.1f} on {os.cpu_count()} CPUs): latencies include waiting "
+              "for a CPU")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(as_json(report, table, sizes, load_before,
+                                           args.broker_cpu_request), indent=1))
+    print(f"\nJSON: {args.out}")
+    return 0 if all(f.ok is not False for f in table) else EXIT_TARGET_MISSED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
