@@ -20,8 +20,8 @@ Why the rules are what they are:
   node's uid 0 is not a pod's (the kubelet never maps it) and is refused.
 - Where: the path as the caller's namespace names it from its root, then the object the
   helper reached: not on a shared mount (the new mount would propagate to its peers,
-  which may be outside the container); the filesystem it is on must be one people keep data on (the list
-  fusermount3 applies to users), and neither the path nor the mountpoint of the mount it
+  which may be outside the container); on a filesystem people keep data on (the list
+  fusermount3 applies to users); and neither the path nor the mountpoint of the mount it
   is on may be in the kernel's or the image's system trees (``DENIED_TREES``). Renaming
   a parent cannot move a directory out of a mount, so the second test holds against
   renames; the first is what a read-only root filesystem makes hold too.

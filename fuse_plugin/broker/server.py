@@ -262,6 +262,7 @@ class Broker:
         if self._listener is not None:
             with contextlib.suppress(KeyError):  # unregistered while accepting paused
                 self._selector.unregister(self._listener)
+            self._answer_backlog()
             self._listener.close()
             if self._owns_socket():
                 with contextlib.suppress(OSError):
@@ -345,6 +346,7 @@ class Broker:
                 continue
             assert who is not None
             work = _Work(sock, who, time.monotonic() + REQUEST_DEADLINE)
+            work.fields.update(pid=who.pid, uid=who.uid, cgroup=who.container)
             self._waiting[sock.fileno()] = work
             self._selector.register(sock, selectors.EVENT_READ, work)
 
@@ -410,6 +412,18 @@ class Broker:
         self._queued.setdefault(work.container, collections.deque()).append(work)
         self._next(work.container)
 
+    def _answer_backlog(self) -> None:
+        """Callers still in the listen queue get "stopping" rather than a reset."""
+        assert self._listener is not None
+        stopping = policy.Refused("the broker is stopping; try again", "busy")
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:  # empty (EAGAIN), or out of fds: those get the reset
+                return
+            sock.setblocking(False)
+            self._refuse_at_accept(sock, None, stopping)
+
     def _unwait(self, work: _Work) -> None:
         """The connection leaves the selector: its request arrived, or it never will."""
         self._selector.unregister(work.sock)
@@ -419,7 +433,6 @@ class Broker:
         """Everything that needs no helper: the message, the rules on strings, the
         caller's namespaces, the quota."""
         who = work.caller
-        work.fields.update(pid=who.pid, uid=who.uid, cgroup=who.container)
         try:
             request = protocol.parse_request(data)
         except protocol.BadRequest as bad:
@@ -507,19 +520,24 @@ class Broker:
     def _succeed(self, work: _Work, result: dict[str, str]) -> None:
         mount_id = _int(result, "mnt_id")
         work.fields["mount_id"] = mount_id
+        record = None
         if work.request.op == "mount":
             connection = _connection(result)
             inode = self.records.inode_of(connection)
             work.fields.update(connection=connection, mount_options=result.get("options"))
             if inode is not None:
-                self.records.add(records.Record(
+                record = records.Record(
                     connection=connection, ctl_inode=inode, container=work.container,
                     uid=work.caller.uid, namespace=work.caller.namespace,
-                    mount_id=mount_id, path=work.request.path))
-                self.mounts_held = self.records.by_container()
+                    mount_id=mount_id, path=work.request.path)
         self.stats.served(work.request.op)
         self._log(work, f"broker.{work.request.op}", logging.INFO)
         self._reply(work, status="ok", mount_id=mount_id)
+        # After the reply, but before this loop reads anything else: the caller's next
+        # request already finds the record.
+        if record is not None:
+            self.records.add(record)
+            self.mounts_held = self.records.by_container()
         self._release(work)
 
     def _exited(self, work: _Work) -> None:

@@ -32,7 +32,8 @@ PYTHON_SOURCES = sorted(
                 *ROOT.glob("bench/*.py"), *ROOT.glob("scripts/*.py")]
     if p != Path(__file__).resolve())
 # Called only when present, with a skip that says so: not on a fresh machine's path.
-OPTIONAL = {"kubectl": "tests/unit/test_manifests.py skips `kubectl kustomize` without it"}
+OPTIONAL = {"kubectl": "tests/unit/test_manifests.py skips `kubectl kustomize` without it",
+            "perf": "bench.broker's step breakdown (perf trace) is left out without it"}
 SHELL_WORDS = {
     "if", "then", "else", "elif", "fi", "for", "in", "do", "done", "case", "esac", "while",
     "until", "function", "local", "echo", "printf", "read", "set", "export", "return",
