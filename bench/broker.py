@@ -61,10 +61,9 @@ from typing import Any
 import yaml
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.sim import oci
-from tests.containers import broker as broker_rig
-from tests.containers import plugin, profiles, workloads
-from tests.containers.servers import Sshd, free_port
+from tests.lib import broker as broker_rig
+from tests.lib import oci, plugin, profiles, waiting, workloads
+from tests.lib.servers import Sshd, free_port
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "broker.json"
@@ -173,7 +172,7 @@ def _serving_metrics(broker: broker_rig.BrokerProcess, flags: list[str]) -> bool
     proc = broker.proc
     assert proc is not None
     if any(flag.startswith("--metrics-port=") for flag in flags):
-        workloads.wait_for(lambda: proc.poll() is not None
+        waiting.wait_for(lambda: proc.poll() is not None
                            or broker.events("metrics.serving"), 30,
                            "the broker's metrics port")
     return proc.poll() is None

@@ -8,7 +8,7 @@ Run from the repository root, as root, with runc, /dev/fuse and squashfuse::
 
 The real broker runs with its DaemonSet's flags (``manifests/broker/
 broker-daemonset.yaml``; the metrics port moved to a free one). Containers get the real
-plugin's broker-mode Allocate answer. Six hostile tenants (``bench/chaos_tenant.py``,
+plugin's broker-mode Allocate answer. Six hostile tenants (``tests/lib/chaos_tenant.py``,
 each in a container of its own, root with the runtime's default capabilities and
 seccomp rules) attack at once:
 
@@ -61,13 +61,12 @@ from typing import Any
 from bench import broker as bench
 from fuse_plugin.broker import protocol
 from fuse_plugin.broker.server import HELPER_DEADLINE, REQUEST_DEADLINE, TURN
-from fuse_plugin.sim import oci
-from tests.containers import broker as broker_rig
-from tests.containers import workloads
+from tests.lib import broker as broker_rig
+from tests.lib import oci, waiting
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "broker_chaos.json"
-TOOL = "/bench/chaos_tenant.py"
+TOOL = f"{broker_rig.ATTACKER_DIR}/chaos_tenant.py"
 MOUNTPOINT = "/mnt/good"
 EXIT_TARGET_MISSED = 3
 P99_TARGET_MS = 100.0
@@ -212,7 +211,8 @@ class Scene:
         self.fds_start = bench.fd_count(self.broker.pid)
         allocation = broker_rig.allocation(work / "plugin", broker_dir)
         runc = stack.enter_context(oci.Runc(prefix="fuse-chaos"))
-        binds = [oci.Bind(image, bench.IMAGE, True), oci.Bind(HERE, "/bench", True)]
+        binds = [oci.Bind(image, bench.IMAGE, True), oci.Bind(HERE, "/bench", True),
+                 broker_rig.attacker_bind()]
         requests = {"good-root": bench.root_pod(allocation, binds),
                     "good-nonroot": bench.restricted_pod(allocation, binds, work)}
         requests |= {name: bench.root_pod(allocation, binds) for name in HOSTILE}
@@ -342,7 +342,7 @@ def sigterm_during(scene: Scene, grace: float) -> Callable[[int], dict[str, Any]
                         and e.get("cgroup") in good) >= 2
                     and any(e.get("cgroup") in hostile for e in events))
 
-        workloads.wait_for(under_way, 60, "the chaos to be under way")
+        waiting.wait_for(under_way, 60, "the chaos to be under way")
         proc = scene.broker.proc
         assert proc is not None
         started = time.monotonic()

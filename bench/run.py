@@ -7,7 +7,7 @@ Run from the repository root::
 
 Everything is measured against the real ``fuse-device-plugin serve`` process, run with
 the flags the DaemonSet gives it (read from ``manifests/plugin-daemonset.yaml``; the
-metrics port moved to a free one), with the kubelet stand-in (``fuse_plugin.sim.kubelet``)
+metrics port moved to a free one), with the kubelet stand-in (``fuse_plugin.demo.kubelet``)
 in this process over real unix sockets, on a fake node in a temp dir (a real char device
 10:229 made with mknod, so: root). Every figure is also taken against the floor
 (``bench/floor.py``: a bare grpcio server that answers constants) with the same client
@@ -45,8 +45,8 @@ from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.config import API_VERSION
 from fuse_plugin.devices import slot_ids
-from fuse_plugin.sim.kubelet import KubeletStandIn
-from fuse_plugin.sim.node import FakeNode
+from tests.lib.kubelet import KubeletStandIn
+from tests.lib.node import FakeNode
 
 HERE = Path(__file__).resolve().parent
 DAEMONSET = HERE.parent / "manifests" / "plugin-daemonset.yaml"

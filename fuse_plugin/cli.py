@@ -25,7 +25,7 @@ from fuse_plugin.errors import EXIT_USAGE, Failure
 # name -> (module, what it does)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("fuse_plugin.serve", "run the device plugin on this node"),
-    "demo": ("fuse_plugin.sim.demo",
+    "demo": ("fuse_plugin.demo",
              "show registration and Allocate on this machine, no cluster needed"),
     "doctor": ("fuse_plugin.doctor",
                "check this node for FUSE pods (exit 1 on a failure), or --explain a FUSE "

@@ -24,8 +24,6 @@ import pytest
 from fuse_plugin.profiles import presets
 from tests.apparmor_vm import run_vm
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
-
 RUNS = {run.name: run for run in run_vm.RUNS}
 PRESET_RUNS = [run.name for run in run_vm.RUNS if run.preset is not None]
 # What no FUSE profile may allow: each probe must fail with EACCES and leave a DENIED line.

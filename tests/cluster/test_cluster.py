@@ -22,7 +22,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from tests.cluster.cluster import Api, Cluster, Kubectl, pod_ready
@@ -56,8 +55,6 @@ from tests.cluster.kube import (
 from tests.cluster.servers import NAMESPACE as SERVERS_NS
 from tests.cluster.servers import S3_KEY, S3_SECRET, Servers
 from tests.kubelet.node import SECCOMP_ROOT, wait_for
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 
 SECCOMP_DIR = SECCOMP_ROOT / "fuse-device-plugin"
 

@@ -60,10 +60,9 @@ from tests.cluster.kube import (
 )
 from tests.cluster.servers import NAMESPACE as SERVERS_NS
 from tests.cluster.servers import Servers
-from tests.kubelet.node import Timeout, wait_for
-from tests.unit.test_manifests_broker import baseline_violations, restricted_violations
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
+from tests.kubelet.node import wait_for
+from tests.lib.manifests import baseline_violations, restricted_violations
+from tests.lib.waiting import Timeout
 
 BROKER = MANIFESTS / "broker"
 BROKER_EXAMPLES = BROKER / "examples"

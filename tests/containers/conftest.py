@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.sim import oci
-from tests.containers import broker as broker_rig
-from tests.containers import plugin
-from tests.containers.servers import Moto, Sshd
+from tests.lib import broker as broker_rig
+from tests.lib import oci, plugin
+from tests.lib.servers import Moto, Sshd
 
 FUSE = Path("/dev/fuse")
 
@@ -59,7 +58,7 @@ def runc(machine: None) -> Iterator[oci.Runc]:
 
 
 def _need(tool: str) -> None:
-    from tests.containers.workloads import missing_tool
+    from tests.lib.workloads import missing_tool
 
     problem = missing_tool(tool)
     if problem:

@@ -12,7 +12,6 @@ import pytest
 
 from bench import broker as bench_broker
 
-pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -11,22 +11,16 @@ import hashlib
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.broker import protocol
-from fuse_plugin.sim import oci
-from tests.containers import broker as broker_rig
-from tests.containers import profiles, workloads
-from tests.containers.broker import BrokerProcess
-from tests.containers.servers import Moto, Sshd
-from tests.containers.workloads import S3_MOUNT, SSH_MOUNT, Workload
-
-pytestmark = pytest.mark.slow
+from tests.lib import broker as broker_rig
+from tests.lib import oci, profiles, waiting, workloads
+from tests.lib.broker import BrokerProcess
+from tests.lib.servers import Moto, Sshd
+from tests.lib.workloads import HELLO, S3_MOUNT, SSH_MOUNT, Workload, squash_image
 
 CAP_SYS_ADMIN_BIT = 21
 SQUASH_MOUNT = "/mnt/squash"
-HELLO = "served through the broker\n"
 
 
 def broker_pod(work: Workload | None, allocation: api.ContainerAllocateResponse,
@@ -36,15 +30,6 @@ def broker_pod(work: Workload | None, allocation: api.ContainerAllocateResponse,
     binds = [*(work.binds if work else []), *extra_binds]
     return oci.ContainerRequest(args=workloads.HOLD, allocation=allocation,
                                 seccomp=profiles.runtime_default(), binds=binds)
-
-
-def squash_image(directory: Path) -> Path:
-    source, image = directory / "squash-src", directory / "image.sqfs"
-    source.mkdir(parents=True, exist_ok=True)
-    (source / "hello.txt").write_text(HELLO)
-    subprocess.run(["mksquashfs", str(source), str(image), "-noappend", "-quiet",
-                    "-no-progress"], check=True, capture_output=True, timeout=60)
-    return image
 
 
 def assert_unprivileged(container: oci.RuncContainer) -> None:
@@ -94,7 +79,7 @@ def test_sshfs_through_the_broker(broker_allocation: api.ContainerAllocateRespon
 
     container.exec("fusermount3", "-u", SSH_MOUNT).check()
     assert container.mounts() == []
-    workloads.wait_for(lambda: not (oci.FUSECTL / str(connection)).exists(), 10,
+    waiting.wait_for(lambda: not (oci.FUSECTL / str(connection)).exists(), 10,
                        f"FUSE connection {connection} to close after fusermount3 -u")
     assert [e["path"] for e in broker.events("broker.unmount")] == [SSH_MOUNT]
 
@@ -163,7 +148,7 @@ def test_auto_unmount_when_the_daemon_dies(
     assert "auto_unmount" not in mounted["options"]
     container.exec("pkill", "-KILL", "-x", "squashfuse").check()
     # The shim's request is not waited for by anyone here: wait for both its effects.
-    workloads.wait_for(lambda: container.mounts() == [] and broker.events("broker.unmount"),
+    waiting.wait_for(lambda: container.mounts() == [] and broker.events("broker.unmount"),
                        10, "the shim to have the dead mount unmounted")
     [unmounted] = broker.events("broker.unmount")
     assert unmounted["mount_id"] == mounted["mount_id"]

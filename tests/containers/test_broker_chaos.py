@@ -19,7 +19,7 @@ import pytest
 from bench import broker_chaos
 from bench.broker_chaos import GOOD, HOSTILE, Report
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Hostile requests to the broker from a broker-mode container, sent the way a container's
-root could send them: straight over the socket (tests/containers/attacker.py), not
+root could send them: straight over the socket (tests/lib/attacker.py), not
 through the shim. Each is refused with a reason in the reply, logged in one line, and
 leaves no mount anywhere: not in the caller, not in a neighbour, not on the node."""
 
@@ -13,12 +13,9 @@ from typing import Any
 import pytest
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.sim import oci
-from tests.containers import broker as broker_rig
-from tests.containers import profiles, workloads
-from tests.containers.broker import BrokerProcess, attack
-
-pytestmark = pytest.mark.slow
+from tests.lib import broker as broker_rig
+from tests.lib import oci, profiles, workloads
+from tests.lib.broker import BrokerProcess, attack
 
 MAX_MOUNTS = 8
 SETUP = ("mkdir -p /mnt/ok /mnt/real && ln -sfn /etc /mnt/to-etc && "

@@ -24,13 +24,10 @@ import pytest
 
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.broker import protocol
-from fuse_plugin.sim import oci
-from tests.containers import broker as broker_rig
-from tests.containers import profiles, workloads
-from tests.containers.broker import BrokerProcess, Held, attack
-from tests.containers.test_broker import squash_image
-
-pytestmark = pytest.mark.slow
+from tests.lib import broker as broker_rig
+from tests.lib import oci, profiles, waiting, workloads
+from tests.lib.broker import BrokerProcess, Held, attack
+from tests.lib.workloads import squash_image
 
 MAX_MOUNTS = 4
 IMAGE = "/data/image.sqfs"
@@ -218,7 +215,7 @@ def test_out_of_fds_the_broker_pauses_says_so_once_and_recovers(scene: Scene) ->
         # No fd number left below the limit: the next accept fails with EMFILE.
         resource.prlimit(broker.pid, resource.RLIMIT_NOFILE, (lowest_free, hard))
         held = Held(attacker, "silent", "4")
-        workloads.wait_for(lambda: broker.events("broker.accept_paused"), 30,
+        waiting.wait_for(lambda: broker.events("broker.accept_paused"), 30,
                            "the broker to pause accepting at its fd limit")
         held.release()
     finally:
@@ -242,7 +239,7 @@ def test_mounts_pinned_and_lazily_unmounted_still_count(scene: Scene) -> None:
     assert attacker.mounts() == []  # hidden: unmounted from every table
     held.release()
     # Released: the kernel drops the connections, and the quota is free again.
-    workloads.wait_for(lambda: attack(attacker, "ask", "--fuse", "op=mount",
+    waiting.wait_for(lambda: attack(attacker, "ask", "--fuse", "op=mount",
                                       "path=/mnt")["status"] == "ok", 30,
                        "the quota to free up once the hidden mounts are gone")
 
@@ -380,7 +377,7 @@ def test_a_helper_stuck_on_a_tenants_daemon_is_freed_by_aborting_its_connections
         try:
             answer = attack(attacker, "ask", "--fuse", "op=mount", "path=/mnt/other")
             assert "did not finish within" in answer["message"]
-            [aborted] = workloads.wait_for(lambda: stuck.events("broker.aborted"), 60,
+            [aborted] = waiting.wait_for(lambda: stuck.events("broker.aborted"), 60,
                                            "the broker to abort the container's FUSE "
                                            "connections")
             assert aborted["connections"] == [connection]

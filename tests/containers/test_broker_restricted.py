@@ -20,13 +20,10 @@ from typing import Any
 import pytest
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.sim import oci
-from tests.containers import broker as broker_rig
-from tests.containers import profiles, workloads
-from tests.containers.broker import BrokerProcess, attack
-from tests.containers.servers import Moto, Sshd
-
-pytestmark = pytest.mark.slow
+from tests.lib import broker as broker_rig
+from tests.lib import oci, profiles, workloads
+from tests.lib.broker import BrokerProcess, attack
+from tests.lib.servers import Moto, Sshd
 
 TENANT = 1000
 NOBODY_KNOWS = 123457  # a uid with no passwd entry, as OpenShift's restricted-v2 gives

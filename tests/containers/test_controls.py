@@ -9,11 +9,8 @@ from collections.abc import Callable
 import pytest
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.sim import oci
-from tests.containers import profiles, workloads
-from tests.containers.workloads import Workload
-
-pytestmark = pytest.mark.slow
+from tests.lib import oci, profiles, workloads
+from tests.lib.workloads import Workload
 
 DEVICE_NOT_FOUND = "fuse: device not found, try 'modprobe fuse' first"
 OPEN_EPERM = "fuse: failed to open /dev/fuse: Operation not permitted"

@@ -14,10 +14,7 @@ from pathlib import Path
 import pytest
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.sim import oci
-from tests.containers import profiles
-
-pytestmark = pytest.mark.slow
+from tests.lib import oci, profiles
 
 GPUS = {"nvidia0": (195, 0), "nvidia1": (195, 1), "nvidiactl": (195, 255)}
 # Opens every path given and prints "<path> OK" or "<path> <ERRNO> <message>".

@@ -11,12 +11,9 @@ from pathlib import Path
 import pytest
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.sim import oci
-from tests.containers import workloads
-from tests.containers.servers import Sshd
-from tests.containers.workloads import SSH_MOUNT
-
-pytestmark = pytest.mark.slow
+from tests.lib import oci, workloads
+from tests.lib.servers import Sshd
+from tests.lib.workloads import SSH_MOUNT
 
 
 def test_a_hung_fuse_request_is_aborted_at_the_deadline(

@@ -11,14 +11,9 @@ import os
 import re
 from pathlib import Path
 
-import pytest
-
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.sim import oci
-from tests.containers import workloads
-from tests.containers.workloads import LXCFS_MOUNT
-
-pytestmark = pytest.mark.slow
+from tests.lib import oci, workloads
+from tests.lib.workloads import LXCFS_MOUNT
 
 LIMIT = 256 * 1024 * 1024
 CPUSET = "0"

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.sim import oci
+from tests.lib import oci
 
 
 def _response() -> api.ContainerAllocateResponse:

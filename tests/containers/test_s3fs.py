@@ -6,15 +6,10 @@ from __future__ import annotations
 
 import hashlib
 
-import pytest
-
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.sim import oci
-from tests.containers import workloads
-from tests.containers.servers import Moto
-from tests.containers.workloads import BUCKET, S3_MOUNT
-
-pytestmark = pytest.mark.slow
+from tests.lib import oci, waiting, workloads
+from tests.lib.servers import Moto
+from tests.lib.workloads import BUCKET, S3_MOUNT
 
 
 def test_s3fs_reads_and_writes_a_bucket(allocation: api.ContainerAllocateResponse,
@@ -58,5 +53,5 @@ def test_s3fs_reads_and_writes_a_bucket(allocation: api.ContainerAllocateRespons
     # a clean unmount: the mount is gone and so is the FUSE connection (s3fs exited)
     container.exec(*work.unmount()).check()
     assert container.mounts() == []
-    workloads.wait_for(lambda: not (oci.FUSECTL / str(connection)).exists(), 10,
+    waiting.wait_for(lambda: not (oci.FUSECTL / str(connection)).exists(), 10,
                        f"FUSE connection {connection} to close after umount")

@@ -6,15 +6,10 @@ from __future__ import annotations
 import hashlib
 import os
 
-import pytest
-
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.sim import oci
-from tests.containers import workloads
-from tests.containers.servers import Sshd
-from tests.containers.workloads import SSH_MOUNT
-
-pytestmark = pytest.mark.slow
+from tests.lib import oci, waiting, workloads
+from tests.lib.servers import Sshd
+from tests.lib.workloads import SSH_MOUNT
 
 
 def test_sshfs_reads_and_writes_a_remote_directory(
@@ -51,5 +46,5 @@ def test_sshfs_reads_and_writes_a_remote_directory(
     # a clean unmount, as a user would do it
     container.exec("fusermount3", "-u", SSH_MOUNT).check()
     assert container.mounts() == []
-    workloads.wait_for(lambda: not (oci.FUSECTL / str(connection)).exists(), 10,
+    waiting.wait_for(lambda: not (oci.FUSECTL / str(connection)).exists(), 10,
                        f"FUSE connection {connection} to close after fusermount3 -u")

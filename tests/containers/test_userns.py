@@ -14,12 +14,9 @@ from pathlib import Path
 import pytest
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.sim import oci
-from tests.containers import workloads
-from tests.containers.servers import Moto, Sshd
-from tests.containers.workloads import BUCKET
-
-pytestmark = pytest.mark.slow
+from tests.lib import oci, workloads
+from tests.lib.servers import Moto, Sshd
+from tests.lib.workloads import BUCKET
 
 FUSE = Path("/dev/fuse")
 OPEN_EACCES = "fuse: failed to open /dev/fuse: Permission denied"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import http.client
 import json
 import os
 import re
@@ -33,8 +34,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tests.lib import waiting
+from tests.lib.waiting import Timeout
+
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[2]
+REPO = HERE.parents[1]
 STATE = Path(os.environ.get("FDP_E2E_STATE", "/run/fuse-device-plugin-e2e"))
 DATA = Path(os.environ.get("FDP_E2E_DATA", "/var/lib/fuse-device-plugin-e2e"))
 LOGDIR = Path(os.environ.get("FDP_E2E_LOGDIR", "/var/log/fuse-device-plugin-e2e"))
@@ -65,37 +69,18 @@ def log(msg: str) -> None:
     print(f"[node {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-class Timeout(AssertionError):
-    pass
+# What a node's parts raise while they come up (connection refused, a half-written
+# answer, a pod not listed yet, ctr failing): polled again, reported at the deadline.
+NOT_YET: tuple[type[Exception], ...] = (
+    OSError, ValueError, LookupError, RuntimeError, http.client.HTTPException,
+    subprocess.SubprocessError)
 
 
-def wait_for(
-    pred: Callable[[], T | None],
-    timeout: float,
-    what: str,
-    interval: float = 0.2,
-    detail: Callable[[], str] | None = None,
-) -> T:
-    """Poll real state until pred() returns something truthy, or fail after timeout."""
-    deadline = time.monotonic() + timeout
-    last_exc: Exception | None = None
-    while True:
-        try:
-            val = pred()
-            if val:
-                return val
-        except AssertionError:  # pred found a definite failure: report it now
-            raise
-        except Exception as exc:  # state not there yet (socket, HTTP, file)
-            last_exc = exc
-        if time.monotonic() > deadline:
-            msg = f"timed out after {timeout:.0f}s waiting for {what}"
-            if last_exc is not None:
-                msg += f" (last error: {last_exc!r})"
-            if detail is not None:
-                msg += "\n" + detail()
-            raise Timeout(msg)
-        time.sleep(interval)
+def wait_for(pred: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2,
+             detail: Callable[[], str] | None = None) -> T:
+    """``tests.lib.waiting.wait_for`` with the node's NOT_YET errors retried."""
+    return waiting.wait_for(pred, timeout, what, interval=interval, detail=detail,
+                            retry_on=NOT_YET)
 
 
 # ---------------------------------------------------------------- processes

@@ -26,9 +26,8 @@ import pytest
 import yaml
 
 from fuse_plugin.broker import protocol
-from tests.containers import broker as broker_rig
 from tests.kubelet import node as nodemod
-from tests.kubelet.test_real_kubelet import (  # noqa: F401 (sshd is a fixture)
+from tests.kubelet.static_pods import (
     HERE,
     RESOURCE,
     SETUP_TIMEOUT,
@@ -38,16 +37,14 @@ from tests.kubelet.test_real_kubelet import (  # noqa: F401 (sshd is a fixture)
     evidence,
     pod_spec,
     pods,
-    sshd,
     wait_registered,
 )
-from tests.unit.test_manifests_broker import (
+from tests.lib import broker as broker_rig
+from tests.lib.manifests import (
     COMPLETE_RESTRICTED,
     baseline_violations,
     restricted_violations,
 )
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 DAEMONSET = Path(__file__).resolve().parents[2] / "manifests" / "broker" / "broker-daemonset.yaml"
 BROKER_DIR = nodemod.STATE / "broker"
@@ -149,7 +146,7 @@ def broker_events(node: Any, name: str, path: str) -> list[dict[str, Any]]:
 
 
 def test_one_line_pod_mounts_sshfs_through_the_broker(
-        kube_node: Any, sshd: dict[str, Any]) -> None:  # noqa: F811 (the fixture)
+        kube_node: Any, sshd: dict[str, Any]) -> None:
     name = f"sshfs-broker-{int(time.time())}"
     payload = f"written by {name} through the broker"
     (sshd["export"] / "from-server.txt").write_text("served by sshd\n")
@@ -238,7 +235,7 @@ def nonroot_image(kube_node: Any) -> str:
 
 
 def test_restricted_pod_mounts_sshfs_as_uid_1000_through_the_broker(
-        kube_node: Any, sshd: dict[str, Any],  # noqa: F811 (the fixture)
+        kube_node: Any, sshd: dict[str, Any],
         nonroot_image: str) -> None:
     """A static pod with the complete Pod Security `restricted` security context (uid and
     gid 1000, no privilege escalation, every capability dropped, RuntimeDefault seccomp,

@@ -24,8 +24,8 @@ import yaml
 from fuse_plugin import __version__, files, logs, profiles
 from fuse_plugin.profiles import admit, lint, seccomp
 from fuse_plugin.profiles.install import Installer, NodePaths
-from tests.unit import test_doctor as doctor_tree
-from tests.unit.test_profiles_install import (
+from tests.lib import doctor_tree
+from tests.lib.configmap import (
     DEADLINE,
     REAL_PARSER,
     ConfigMapVolume,

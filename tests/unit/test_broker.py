@@ -23,10 +23,12 @@ from fuse_plugin.broker import mountinfo, policy, protocol, server
 from fuse_plugin.broker.policy import Existing, Mark, MountOptions, Owner, Refused, Target
 from fuse_plugin.broker.records import Record, Records
 from fuse_plugin.broker.server import Broker, BrokerSettings, install_shim
-from fuse_plugin.sim.kubelet import KubeletStandIn
-from tests.conftest import RESOURCE, StartPlugin
-from tests.containers import broker as broker_rig
-from tests.containers.workloads import wait_for
+from tests.lib import broker as broker_rig
+from tests.lib.kubelet import KubeletStandIn
+from tests.lib.plugin import RESOURCE, StartPlugin
+from tests.lib.probes import get
+from tests.lib.servers import free_port
+from tests.lib.waiting import wait_for
 
 # Digits, but not ASCII ones: int() and str.isdigit() take them, fusermount3 does not.
 ARABIC_INDIC = "\u0661\u0662"
@@ -620,8 +622,6 @@ def test_a_helper_past_its_deadline_is_killed_and_the_caller_told(
 def test_the_brokers_probes_and_metrics(root: None, shim: Path, tmp_path: Path) -> None:
     """/healthz while the loop turns, /readyz while its socket is the one at the path,
     /metrics with the refusals by kind."""
-    from tests.unit.test_metrics import free_port, get
-
     port = free_port()
     broker = broker_rig.BrokerProcess(tmp_path / "dir", tmp_path / "b", shim,
                                       "--metrics-port", str(port)).start()

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from fuse_plugin import demo
 from fuse_plugin.api import api_pb2 as api
+from fuse_plugin.demo import container, make_node
 from fuse_plugin.devices import Health, probe
-from fuse_plugin.sim import demo, oci
-from tests.conftest import make_fuse_node
 
 
 def run_demo(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -52,7 +52,7 @@ def test_pick_device_prefers_the_real_node(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root: the node is made with mknod")
     host = tmp_path / "host-fuse"
-    make_fuse_node(host)
+    make_node(host)
     chosen = demo.pick_device(tmp_path / "work", host_device=host)
     assert chosen.path == host
     assert "only stat()s it" in chosen.note
@@ -87,15 +87,15 @@ def test_demo_container_is_a_pod_that_is_not_privileged(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root: the device node is made with mknod")
     node = tmp_path / "fuse"
-    make_fuse_node(node)
+    make_node(node)
     spec = api.DeviceSpec(container_path="/dev/fuse", host_path=str(node), permissions="rw")
     seccomp = {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": []}
     image = tmp_path / "image"
     image.write_text("")
-    config = oci.build_spec(oci.Container(
+    config = container.build_spec(container.Container(
         args=("/bin/true",), devices=(spec,), seccomp=seccomp,
-        binds=((str(image), oci.IMAGE),)).request())
-    bundle = oci.write_bundle(tmp_path / "bundle", config)
+        binds=((str(image), container.IMAGE),)).request())
+    bundle = container.write_bundle(tmp_path / "bundle", config)
     process, linux = config["process"], config["linux"]
     assert process["capabilities"]["effective"] == ["CAP_SYS_ADMIN"]
     assert "ambient" not in process["capabilities"]
@@ -108,10 +108,10 @@ def test_demo_container_is_a_pod_that_is_not_privileged(tmp_path: Path) -> None:
     # pod gets.
     rules = linux["resources"]["devices"]
     assert rules[0] == {"allow": False, "access": "rwm"}
-    assert rules[1:-1] == list(oci.DEFAULT_DEVICE_RULES)
+    assert rules[1:-1] == list(container.DEFAULT_DEVICE_RULES)
     assert rules[-1] == {"allow": True, "type": "c", "major": 10, "minor": 229, "access": "rw"}
     assert {m["destination"] for m in config["mounts"]} >= {"/proc", "/dev", "/usr", "/mnt"}
-    assert (bundle / "rootfs" / oci.IMAGE.lstrip("/")).is_file()
+    assert (bundle / "rootfs" / container.IMAGE.lstrip("/")).is_file()
     assert not any(m["source"] == "/dev" for m in config["mounts"])
     assert "/proc/kcore" in linux["maskedPaths"]
 
@@ -120,20 +120,20 @@ def test_device_entries_refuse_a_non_device(tmp_path: Path) -> None:
     plain = tmp_path / "plain"
     plain.write_text("")
     spec = api.DeviceSpec(container_path="/dev/fuse", host_path=str(plain), permissions="rw")
-    with pytest.raises(oci.ContainerError, match="not a device node"):
-        oci.device_entries([spec])
+    with pytest.raises(container.ContainerError, match="not a device node"):
+        container.device_entries([spec])
 
 
 @pytest.mark.slow
 def test_demo_mount_runs_a_real_unprivileged_fuse_container() -> None:
-    blockers = oci.mount_blockers()
+    blockers = container.mount_blockers()
     if blockers:
         pytest.skip("demo --mount cannot run here: " + "; ".join(blockers))
     proc = run_demo("--mount", timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "fuse.squashfuse" in out
-    assert oci.HELLO.strip() in out
+    assert container.HELLO.strip() in out
     assert "CapEff:\t0000000000200000" in out  # CAP_SYS_ADMIN (bit 21) and nothing else
     assert "Seccomp:\t2" in out  # a seccomp filter is in force
     assert "unshare failed: Operation not permitted" in out  # and it is the FUSE profile

@@ -23,24 +23,28 @@ import pytest
 from fuse_plugin import cli, logs, plugin, sockets
 from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.config import Settings
+from fuse_plugin.demo import make_node
 from fuse_plugin.devices import DeviceState
 from fuse_plugin.doctor import checks as doctor
 from fuse_plugin.doctor import explain as fuse_errors
 from fuse_plugin.servicer import WORKERS, FuseServicer
-from fuse_plugin.sim.kubelet import KubeletStandIn
-from fuse_plugin.sim.node import make_node
 from fuse_plugin.stats import Stats
-from tests.conftest import Node, PluginProcess
+from tests.lib.doctor_tree import (
+    PLUGIN_DIR,
+    SECCOMP_DIR,
+    SECCOMP_OK,
+    SOCKET,
+    apparmor_listing,
+    build_static_tree,
+    put,
+)
+from tests.lib.kubelet import KubeletStandIn
+from tests.lib.node import FakeNode
+from tests.lib.plugin import PluginProcess
 
-PLUGIN_DIR = "var/lib/kubelet/device-plugins"
-SOCKET = "github.com_fuse.sock"
-SECCOMP_DIR = "var/lib/kubelet/seccomp/fuse-device-plugin"
 ALL_LINES = ["fuse filesystem", "fuse device", "fuse device mode", "device-plugin dir",
              "kubelet socket", "plugin socket", "apparmor", "apparmor profiles",
              "seccomp profiles", "cgroup"]
-SECCOMP_OK = {"defaultAction": "SCMP_ACT_ERRNO", "architectures": ["SCMP_ARCH_X86_64"],
-              "syscalls": [{"names": ["read", "mount", "umount2"], "action": "SCMP_ACT_ALLOW"}]}
-
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="needs root: the fake node's /dev/fuse is made with mknod")
 
@@ -53,34 +57,10 @@ def root() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def put(root: Path, path: str, text: str) -> Path:
-    target = root / path
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(text)
-    return target
-
-
 def make_device(root: Path, major: int = 10, minor: int = 229, mode: int = 0o666) -> Path:
     device = root / "dev" / "fuse"
     device.parent.mkdir(parents=True, exist_ok=True)
     return make_node(device, major, minor, mode)
-
-
-def apparmor_listing(*profiles: str) -> str:
-    return "".join(f"{profile}\n" for profile in
-                   ["cri-containerd.apparmor.d (enforce)", *profiles, "/usr/bin/man (enforce)"])
-
-
-def build_static_tree(root: Path) -> None:
-    """Everything of a healthy node but the device node and the sockets."""
-    put(root, "proc/filesystems", "nodev\tsysfs\nnodev\tfusectl\n\text4\n\tfuseblk\nnodev\tfuse\n")
-    (root / PLUGIN_DIR).mkdir(parents=True)
-    put(root, "sys/module/apparmor/parameters/enabled", "Y\n")
-    put(root, "sys/kernel/security/apparmor/profiles", apparmor_listing(
-        *(f"fuse-device-plugin-{preset} (enforce)" for preset in doctor.PRESETS)))
-    for preset in doctor.PRESETS:
-        put(root, f"{SECCOMP_DIR}/{preset}.json", json.dumps(SECCOMP_OK))
-    put(root, "sys/fs/cgroup/cgroup.controllers", "cpuset cpu io memory pids\n")
 
 
 @contextmanager
@@ -178,7 +158,7 @@ def test_real_serve_process_registered_with_the_kubelet_stand_in(root: Path,
     if os.geteuid() != 0:
         pytest.skip("needs root: the fake node's /dev/fuse is made with mknod")
     build_static_tree(root)
-    node = Node(root, root / PLUGIN_DIR, make_device(root))
+    node = FakeNode(root, root / PLUGIN_DIR, make_device(root))
     with ExitStack() as stack:
         kubelet = stack.enter_context(KubeletStandIn(node.plugin_dir))
         plugin = PluginProcess(node)

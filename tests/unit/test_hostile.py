@@ -22,10 +22,12 @@ from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.config import Settings
 from fuse_plugin.devices import Health, Probe
 from fuse_plugin.metrics import MAX_CONNECTIONS
-from fuse_plugin.sim.kubelet import KubeletStandIn
-from tests.conftest import RESOURCE, Node, PluginProcess, StartPlugin
-from tests.unit.test_metrics import DEADLINE, eventually, free_port, get
-from tests.waiting import wait_until
+from tests.lib.kubelet import KubeletStandIn
+from tests.lib.node import FakeNode
+from tests.lib.plugin import RESOURCE, PluginProcess, StartPlugin
+from tests.lib.probes import DEADLINE, get
+from tests.lib.servers import free_port
+from tests.lib.waiting import wait_for, wait_until
 
 SOCKET = "github.com_fuse.sock"
 # The plugin's RSS after a storm; it idles at ~36 MiB, and the storm that once grew it
@@ -108,7 +110,7 @@ def test_non_utf8_device_plugin_dir_is_one_line() -> None:
 
 # -- the kubelet misbehaving ----------------------------------------------------------
 
-def test_storm_of_back_to_back_kubelet_restarts(node: Node, kubelet: KubeletStandIn,
+def test_storm_of_back_to_back_kubelet_restarts(node: FakeNode, kubelet: KubeletStandIn,
                                                 start_plugin: StartPlugin) -> None:
     """A crash-looping kubelet: stop, wipe every socket, start, 200 times without waiting
     (every third time only until our socket is back, so Register is caught mid-call)."""
@@ -129,7 +131,7 @@ def test_storm_of_back_to_back_kubelet_restarts(node: Node, kubelet: KubeletStan
     assert "Traceback" not in plugin.log
 
 
-def test_kubelet_that_never_answers_register(node: Node, start_plugin: StartPlugin) -> None:
+def test_kubelet_that_never_answers_register(node: FakeNode, start_plugin: StartPlugin) -> None:
     """A kubelet.sock that accepts and never answers: when a real kubelet replaces it,
     the Register in flight is dropped for the new one, not waited out and failed."""
     plugin = start_plugin()
@@ -150,7 +152,7 @@ def test_kubelet_that_never_answers_register(node: Node, start_plugin: StartPlug
 
 # -- a second copy of the plugin ------------------------------------------------------
 
-def test_second_instance_leaves_the_live_socket_alone(node: Node, kubelet: KubeletStandIn,
+def test_second_instance_leaves_the_live_socket_alone(node: FakeNode, kubelet: KubeletStandIn,
                                                       start_plugin: StartPlugin) -> None:
     port = free_port()
     first = start_plugin()
@@ -158,8 +160,8 @@ def test_second_instance_leaves_the_live_socket_alone(node: Node, kubelet: Kubel
     ours = node.plugin_dir / SOCKET
     inode = ours.stat().st_ino
     second = start_plugin("--metrics-port", str(port), "--metrics-address", "127.0.0.1")
-    eventually(lambda: "socket.in_use" in second.log, "the second instance noticing")
-    eventually(lambda: _status(port, "/readyz")[0] == 503, "the second instance unready")
+    wait_for(lambda: "socket.in_use" in second.log, DEADLINE, "the second instance noticing")
+    wait_for(lambda: _status(port, "/readyz")[0] == 503, DEADLINE, "the second instance unready")
     assert "another process serves" in get(port, "/readyz")[1]
     assert get(port, "/healthz")[0] == 200
     assert ours.stat().st_ino == inode, second.log
@@ -169,7 +171,7 @@ def test_second_instance_leaves_the_live_socket_alone(node: Node, kubelet: Kubel
     # The first one goes away (its socket with it): the second takes over.
     assert first.terminate() == 0
     kubelet.wait_registered(2)
-    eventually(lambda: _status(port, "/readyz")[0] == 200, "the second instance ready")
+    wait_for(lambda: _status(port, "/readyz")[0] == 200, DEADLINE, "the second instance ready")
     kubelet.wait_devices(RESOURCE, healthy(8))
 
 
@@ -182,14 +184,15 @@ def _status(port: int, path: str) -> tuple[int, str]:
 
 # -- the node changing under it --------------------------------------------------------
 
-def test_device_plugin_dir_deleted_and_recreated(node: Node, start_plugin: StartPlugin) -> None:
+def test_device_plugin_dir_deleted_and_recreated(node: FakeNode, start_plugin: StartPlugin) -> None:
     plugin = start_plugin()
     with KubeletStandIn(node.plugin_dir) as kubelet:
         kubelet.wait_registered(1)
     for entry in node.plugin_dir.iterdir():
         entry.unlink()
     node.plugin_dir.rmdir()
-    eventually(lambda: "serve.failed" in plugin.log, "the plugin noticing the directory went")
+    wait_for(lambda: "serve.failed" in plugin.log, DEADLINE,
+             "the plugin noticing the directory went")
     node.plugin_dir.mkdir()
     with KubeletStandIn(node.plugin_dir) as kubelet:
         kubelet.wait_registered(1)
@@ -267,7 +270,7 @@ def test_a_3_mib_device_id_is_refused_invalid_argument_with_a_short_log_line(
 def metrics(start_plugin: StartPlugin) -> tuple[PluginProcess, int]:
     port = free_port()
     process = start_plugin("--metrics-port", str(port), "--metrics-address", "127.0.0.1")
-    eventually(lambda: _status(port, "/healthz")[0] == 200, "the metrics port answering")
+    wait_for(lambda: _status(port, "/healthz")[0] == 200, DEADLINE, "the metrics port answering")
     return process, port
 
 
@@ -419,7 +422,7 @@ def test_a_late_probe_from_another_address_outlasts_a_flood(
             assert flood.at_full_strength.wait(DEADLINE), "the flood never reached the cap"
             # The oldest connection of all is the probe's: with "close the oldest", the
             # first of these closures would have been it.
-            eventually(lambda: flood.closed_by_server > 2 * MAX_CONNECTIONS,
+            wait_for(lambda: flood.closed_by_server > 2 * MAX_CONNECTIONS, DEADLINE,
                        "the flood pushing out twice the cap")
             probe.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
             assert probe.recv(64).startswith(b"HTTP/1.0 200 ")
@@ -444,7 +447,7 @@ def test_metrics_on_ipv6_loopback(start_plugin: StartPlugin) -> None:
         except OSError:
             return False
 
-    eventually(answers, "the IPv6 metrics port answering")
+    wait_for(answers, DEADLINE, "the IPv6 metrics port answering")
     assert process.terminate() == 0
     assert "Traceback" not in process.log
 

@@ -10,7 +10,6 @@ import shutil
 import subprocess
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
@@ -20,15 +19,21 @@ from fuse_plugin import __version__, cli, profiles
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.config import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_RESOURCE_NAME
 from fuse_plugin.devices import Health, probe
-from fuse_plugin.sim import oci
+from tests.lib import oci
+from tests.lib.manifests import (
+    EXAMPLES,
+    MANIFESTS,
+    ROOT,
+    VERSIONS,
+    Doc,
+    containers,
+    docs,
+    host_paths,
+    one,
+    pod_spec,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-MANIFESTS = ROOT / "manifests"
-EXAMPLES = MANIFESTS / "examples"
-VERSIONS = ("1.30", kubernetes_validate.latest_version())
 SECCOMP_ROOT = "/var/lib/kubelet/seccomp"
-
-Doc = dict[str, Any]
 
 
 def load_gen_manifests() -> ModuleType:
@@ -45,35 +50,10 @@ def resource_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.glob("*.yaml") if p.name != "kustomization.yaml")
 
 
-def docs(path: Path) -> list[Doc]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
-
-
 def all_docs() -> list[tuple[str, Doc]]:
     return [(f"{path.relative_to(MANIFESTS)}:{doc['kind']}/{doc['metadata']['name']}", doc)
             for directory in (MANIFESTS, EXAMPLES) for path in resource_files(directory)
             for doc in docs(path)]
-
-
-def one(path: Path, kind: str) -> Doc:
-    found = [doc for doc in docs(path) if doc["kind"] == kind]
-    assert len(found) == 1, f"{path.name}: expected one {kind}"
-    return found[0]
-
-
-def pod_spec(doc: Doc) -> Doc:
-    spec: Doc = doc["spec"] if doc["kind"] == "Pod" else doc["spec"]["template"]["spec"]
-    return spec
-
-
-def containers(doc: Doc) -> list[Doc]:
-    spec = pod_spec(doc)
-    return [*spec.get("initContainers", []), *spec["containers"]]
-
-
-def host_paths(doc: Doc) -> dict[str, Doc]:
-    return {v["hostPath"]["path"]: v["hostPath"] for v in pod_spec(doc).get("volumes", [])
-            if "hostPath" in v}
 
 
 PLUGIN = one(MANIFESTS / "plugin-daemonset.yaml", "DaemonSet")

@@ -6,9 +6,7 @@ import logging
 import signal
 import socket
 import threading
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from http import HTTPStatus
 from pathlib import Path
 from typing import cast
@@ -20,38 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from fuse_plugin.http_port import TEXT, Answer, HttpPort
 from fuse_plugin.lifecycle import Lifecycle
 from fuse_plugin.metrics import MetricsServer
-from fuse_plugin.sim.kubelet import KubeletStandIn
 from fuse_plugin.stats import Stats
-from tests.conftest import RESOURCE, Node, PluginProcess, StartPlugin
-
-DEADLINE = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as reply:
-            return reply.status, reply.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
-
-
-def eventually(check: Callable[[], bool], what: str) -> None:
-    """Re-check real state until it holds or the deadline passes."""
-    done = threading.Event()
-    timer = threading.Timer(DEADLINE, done.set)
-    timer.start()
-    try:
-        while not check():
-            if done.wait(0.01):
-                raise AssertionError(f"{what} did not happen within {DEADLINE}s")
-    finally:
-        timer.cancel()
+from tests.lib.kubelet import KubeletStandIn
+from tests.lib.node import FakeNode
+from tests.lib.plugin import RESOURCE, PluginProcess, StartPlugin
+from tests.lib.probes import DEADLINE, get
+from tests.lib.servers import free_port
+from tests.lib.waiting import wait_for
 
 
 def metric(text: str, name: str) -> float:
@@ -66,7 +39,7 @@ def plugin(start_plugin: StartPlugin) -> tuple[PluginProcess, int]:
     port = free_port()
     process = start_plugin("--metrics-port", str(port), "--metrics-address", "127.0.0.1",
                            slots=4)
-    eventually(lambda: _answers(port), "the metrics port answering")
+    wait_for(lambda: _answers(port), DEADLINE, "the metrics port answering")
     return process, port
 
 
@@ -77,35 +50,36 @@ def _answers(port: int) -> bool:
         return False
 
 
-def test_probes_follow_registration_and_device_health(node: Node,
+def test_probes_follow_registration_and_device_health(node: FakeNode,
                                                       plugin: tuple[PluginProcess, int]) -> None:
     _, port = plugin
     # Serving but no kubelet yet: alive, not ready.
-    eventually(lambda: get(port, "/readyz") == (503, "not registered with the kubelet\n"),
+    wait_for(lambda: get(port, "/readyz") == (503, "not registered with the kubelet\n"), DEADLINE,
                "readyz saying it is not registered")
     assert get(port, "/healthz")[0] == 200
     with KubeletStandIn(node.plugin_dir) as kubelet:
         kubelet.wait_registered()
-        eventually(lambda: get(port, "/readyz")[0] == 200, "readyz turning 200")
+        wait_for(lambda: get(port, "/readyz")[0] == 200, DEADLINE, "readyz turning 200")
         node.remove_device()
-        eventually(lambda: get(port, "/readyz")[0] == 503, "readyz turning 503")
+        wait_for(lambda: get(port, "/readyz")[0] == 503, DEADLINE, "readyz turning 503")
         assert "device unhealthy" in get(port, "/readyz")[1]
         assert get(port, "/healthz")[0] == 200
         node.restore_device()
-        eventually(lambda: get(port, "/readyz")[0] == 200, "readyz back to 200")
+        wait_for(lambda: get(port, "/readyz")[0] == 200, DEADLINE, "readyz back to 200")
     # The kubelet went away (its socket deleted): no longer ready, still alive.
-    eventually(lambda: get(port, "/readyz")[0] == 503, "readyz after the kubelet left")
+    wait_for(lambda: get(port, "/readyz")[0] == 503, DEADLINE, "readyz after the kubelet left")
     assert get(port, "/healthz")[0] == 200
     assert get(port, "/nope")[0] == 404
 
 
 def test_metrics_count_real_registrations_and_allocates(
-        node: Node, kubelet: KubeletStandIn, plugin: tuple[PluginProcess, int]) -> None:
+        node: FakeNode, kubelet: KubeletStandIn, plugin: tuple[PluginProcess, int]) -> None:
     _, port = plugin
     kubelet.wait_registered(1)
     # A kubelet that dies before its answer reaches us leaves a Register we cannot count.
-    eventually(lambda: metric(get(port, "/metrics")[1],
-                              "fuse_device_plugin_registrations_total") == 1, "registration")
+    wait_for(lambda: metric(get(port, "/metrics")[1],
+                            "fuse_device_plugin_registrations_total") == 1,
+             DEADLINE, "registration")
     kubelet.restart()
     kubelet.wait_registered(2)
     kubelet.wait_devices(RESOURCE, lambda d: len(d) == 4)
@@ -114,8 +88,9 @@ def test_metrics_count_real_registrations_and_allocates(
     with pytest.raises(grpc.RpcError):
         kubelet.allocate(RESOURCE, [["fuse-9"]])
     # The kubelet can use us before our side has read its answer to Register.
-    eventually(lambda: metric(get(port, "/metrics")[1],
-                              "fuse_device_plugin_registrations_total") == 2, "two registrations")
+    wait_for(lambda: metric(get(port, "/metrics")[1],
+                            "fuse_device_plugin_registrations_total") == 2,
+             DEADLINE, "two registrations")
     code, text = get(port, "/metrics")
     assert code == 200
     assert metric(text, "fuse_device_plugin_registered") == 1
@@ -141,7 +116,7 @@ def test_metrics_port_in_use_is_a_clear_error(start_plugin: StartPlugin) -> None
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP])
 def test_cdi_spec_written_allocate_names_it_and_removed_on_stop(
-        node: Node, kubelet: KubeletStandIn, start_plugin: StartPlugin,
+        node: FakeNode, kubelet: KubeletStandIn, start_plugin: StartPlugin,
         stop: signal.Signals) -> None:
     cdi_dir = node.root / "cdi"
     plugin = start_plugin("--cdi", "--cdi-dir", str(cdi_dir))
@@ -207,7 +182,7 @@ def test_an_idle_metrics_port_never_wakes_and_stops_at_once() -> None:
         thread_id = thread.native_id
         # The thread that wrote the answer closes the connection after it: settled once
         # it is back waiting in epoll.
-        eventually(lambda: _waiting_in_epoll(thread_id), "the metrics thread settling")
+        wait_for(lambda: _waiting_in_epoll(thread_id), DEADLINE, "the metrics thread settling")
         before = _wakeups(thread_id)
         threading.Event().wait(1.2)  # an observation window, not a synchronisation
         assert _wakeups(thread_id) == before
@@ -327,7 +302,7 @@ def test_a_client_that_does_not_read_its_answer_blocks_nobody(
     server, calls = port_with_routes
     with socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE) as slow:
         slow.sendall(b"GET /big HTTP/1.0\r\n\r\n")
-        eventually(lambda: calls["big"] == 1, "the large answer being made")
+        wait_for(lambda: calls["big"] == 1, DEADLINE, "the large answer being made")
         for _ in range(5):
             assert _exchange(server.port, b"GET /ok HTTP/1.0\r\n\r\n").startswith(
                 b"HTTP/1.0 200 ")

@@ -13,9 +13,10 @@ import grpc
 import pytest
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.sim.kubelet import KubeletStandIn, socket_files
-from tests.conftest import RESOURCE, Node, StartPlugin
-from tests.waiting import wait_until
+from tests.lib.kubelet import KubeletStandIn, socket_files
+from tests.lib.node import FakeNode
+from tests.lib.plugin import RESOURCE, StartPlugin
+from tests.lib.waiting import wait_until
 
 SOCKET = "github.com_fuse.sock"
 
@@ -37,7 +38,7 @@ def test_registers_and_advertises_every_slot(kubelet: KubeletStandIn,
     assert kubelet.capacity(RESOURCE) == (8, 8)
 
 
-def test_plugin_up_before_the_kubelet(node: Node, start_plugin: StartPlugin) -> None:
+def test_plugin_up_before_the_kubelet(node: FakeNode, start_plugin: StartPlugin) -> None:
     plugin = start_plugin()
     assert wait_until(node.plugin_dir, (node.plugin_dir / SOCKET).exists), plugin.log
     with KubeletStandIn(node.plugin_dir) as kubelet:
@@ -51,7 +52,7 @@ def test_plugin_up_before_the_kubelet(node: Node, start_plugin: StartPlugin) -> 
 
 def test_kubelet_restarted_twenty_times_in_a_row(kubelet: KubeletStandIn,
                                                   start_plugin: StartPlugin) -> None:
-    plugin = start_plugin()
+    plugin = start_plugin("--log-format", "json")
     kubelet.wait_registered(1)
     for restart in range(20):
         kubelet.restart()
@@ -59,24 +60,24 @@ def test_kubelet_restarted_twenty_times_in_a_row(kubelet: KubeletStandIn,
         assert registration.endpoint == SOCKET
         kubelet.wait_devices(RESOURCE, all_health("Healthy"))
     assert socket_files(kubelet.directory) == sorted(["kubelet.sock", SOCKET])
-    assert plugin.log.count("kubelet.restart_seen") == 20
+    assert len(plugin.events("kubelet.restart_seen")) == 20
     # Exactly one serve and one registration per kubelet start: no re-serve loop.
     kubelet.allocate(RESOURCE, [["fuse-0"]])
     assert len(kubelet.registrations) == 21, plugin.log
-    assert plugin.log.count(" serving ") == 21, plugin.log
+    assert len(plugin.events("serving")) == 21, plugin.log
 
 
 def test_kubelet_refusing_register_is_retried(kubelet: KubeletStandIn,
                                               start_plugin: StartPlugin) -> None:
     kubelet.refuse_next = 3
-    plugin = start_plugin()
+    plugin = start_plugin("--log-format", "json")
     kubelet.wait_registered(1)
     assert len(kubelet.refusals) == 3
-    assert plugin.log.count("register.failed") == 3
+    assert len(plugin.events("register.failed")) == 3
     assert plugin.proc.poll() is None
 
 
-def test_own_socket_deleted_under_it_is_recreated(node: Node, kubelet: KubeletStandIn,
+def test_own_socket_deleted_under_it_is_recreated(node: FakeNode, kubelet: KubeletStandIn,
                                                   start_plugin: StartPlugin) -> None:
     start_plugin()
     kubelet.wait_registered(1)
@@ -87,7 +88,7 @@ def test_own_socket_deleted_under_it_is_recreated(node: Node, kubelet: KubeletSt
 
 
 def test_device_removed_and_recreated_flips_health_on_the_stream(
-        node: Node, kubelet: KubeletStandIn, start_plugin: StartPlugin) -> None:
+        node: FakeNode, kubelet: KubeletStandIn, start_plugin: StartPlugin) -> None:
     plugin = start_plugin()
     kubelet.wait_registered()
     kubelet.wait_devices(RESOURCE, all_health("Healthy"))
@@ -104,7 +105,7 @@ def test_device_removed_and_recreated_flips_health_on_the_stream(
     assert "device.health health=Unhealthy" in plugin.log
 
 
-def test_wrong_device_type_is_unhealthy(node: Node, kubelet: KubeletStandIn,
+def test_wrong_device_type_is_unhealthy(node: FakeNode, kubelet: KubeletStandIn,
                                         start_plugin: StartPlugin) -> None:
     node.remove_device()
     node.device.write_text("not a device")
@@ -114,7 +115,7 @@ def test_wrong_device_type_is_unhealthy(node: Node, kubelet: KubeletStandIn,
 
 
 def test_allocate_two_containers_and_refuse_unknown_ids(
-        node: Node, kubelet: KubeletStandIn, start_plugin: StartPlugin) -> None:
+        node: FakeNode, kubelet: KubeletStandIn, start_plugin: StartPlugin) -> None:
     start_plugin()
     kubelet.wait_registered()
     response = kubelet.allocate(RESOURCE, [["fuse-0"], ["fuse-5"]])
@@ -127,7 +128,7 @@ def test_allocate_two_containers_and_refuse_unknown_ids(
     assert refused.value.details() == "unknown device IDs: fuse-99, nvidia0"
 
 
-def test_sigterm_stops_cleanly_and_removes_the_socket(node: Node, kubelet: KubeletStandIn,
+def test_sigterm_stops_cleanly_and_removes_the_socket(node: FakeNode, kubelet: KubeletStandIn,
                                                        start_plugin: StartPlugin) -> None:
     plugin = start_plugin()
     kubelet.wait_registered()
@@ -141,15 +142,15 @@ def test_sigterm_stops_cleanly_and_removes_the_socket(node: Node, kubelet: Kubel
 
 
 def test_restart_after_sigkill_replaces_the_stale_socket(
-        node: Node, kubelet: KubeletStandIn, start_plugin: StartPlugin) -> None:
+        node: FakeNode, kubelet: KubeletStandIn, start_plugin: StartPlugin) -> None:
     first = start_plugin()
     kubelet.wait_registered(1)
     first.kill()
     assert (node.plugin_dir / SOCKET).exists(), "SIGKILL should leave the socket behind"
-    second = start_plugin()
+    second = start_plugin("--log-format", "json")
     kubelet.wait_registered(2)
     kubelet.wait_devices(RESOURCE, all_health("Healthy"))
-    assert "socket.stale_removed" in second.log
+    assert second.events("socket.stale_removed")
     # Removing the stale file must not start a loop of re-serving on our own deletes:
     # one kubelet restart later, the plugin has served twice and registered twice.
     kubelet.restart()
@@ -157,7 +158,7 @@ def test_restart_after_sigkill_replaces_the_stale_socket(
     kubelet.wait_devices(RESOURCE, all_health("Healthy"))
     assert kubelet.allocate(RESOURCE, [["fuse-0"]]).container_responses
     assert len(kubelet.registrations) == 3, second.log
-    assert second.log.count(" serving ") == 2, second.log
+    assert len(second.events("serving")) == 2, second.log
 
 
 def test_json_logs_are_one_object_per_line(kubelet: KubeletStandIn,

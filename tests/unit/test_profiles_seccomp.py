@@ -1,5 +1,5 @@
 """Every generated seccomp profile loads into libseccomp, exports BPF, and behaves: each
-profile is applied to a real child process (tests/seccomp_probe.py) that then makes the
+profile is applied to a real child process (tests/lib/seccomp_probe.py) that then makes the
 system calls and reports the errno the kernel (or the filter) gave it.
 
 Refusals by the profile's default action are made to return a marker errno (3999) in
@@ -20,7 +20,7 @@ import pytest
 
 from fuse_plugin import profiles
 
-PROBE = Path(__file__).with_name("seccomp_probe.py")
+PROBE = Path(__file__).parents[1] / "lib" / "seccomp_probe.py"
 MARKER = 3999
 FUSE_PRESETS = ["generic", "s3fs", "sshfs"]
 

@@ -18,13 +18,11 @@ from typing import Any
 
 import pytest
 
-from fuse_plugin.sim import oci
-from tests.containers import profiles
-from tests.containers import runtime_default as rd
-from tests.unit import seccomp_probe
+from tests.lib import oci, profiles, seccomp_probe
+from tests.lib import runtime_default as rd
 
 ROOT = Path(__file__).resolve().parents[2]
-PROBE = Path(__file__).with_name("seccomp_probe.py")
+PROBE = Path(seccomp_probe.__file__)
 MARKER = 3999  # what refusals by the default action return in the probe's runs
 CAP_SYS_CHROOT_BIT = 18
 AMD64 = rd.Host("amd64", "SCMP_ARCH_X86_64", (6, 1))
@@ -302,7 +300,7 @@ def test_a_child_without_cap_sys_chroot_gets_eperm(tmp_path: Path) -> None:
 
 CHROOT_CHILD = """
 import ctypes, json, sys
-from tests.unit import seccomp_probe
+from tests.lib import seccomp_probe
 flt, _ = seccomp_probe.build_filter(json.loads(sys.argv[1]), None)
 flt.load()
 libc = ctypes.CDLL(None, use_errno=True)

@@ -14,10 +14,11 @@ import grpc_testing  # type: ignore[import-untyped]
 import pytest
 
 from fuse_plugin.api import api_pb2 as api
+from fuse_plugin.demo import make_node
 from fuse_plugin.devices import DeviceState, Health, Probe
 from fuse_plugin.servicer import FuseServicer, add_to_server
 from fuse_plugin.stats import Stats
-from tests.conftest import Node, make_fuse_node
+from tests.lib.node import FakeNode
 
 SERVICE = api.DESCRIPTOR.services_by_name["DevicePlugin"]
 DEVICE = Path("/dev/fuse")
@@ -201,9 +202,9 @@ def test_list_and_watch_ends_when_the_state_closes(server: grpc_testing.Server,
     assert rpc.termination()[1] is grpc.StatusCode.OK
 
 
-def test_wrong_device_node_is_unhealthy(tmp_path: Path, node: Node) -> None:
+def test_wrong_device_node_is_unhealthy(tmp_path: Path, node: FakeNode) -> None:
     wrong = tmp_path / "not-fuse"
-    make_fuse_node(wrong, 195, 0)
+    make_node(wrong, 195, 0)
     state = DeviceState(wrong, 1)
     assert state.health.value == "Unhealthy"
     assert "195:0, not 10:229" in state.reason

@@ -1,6 +1,7 @@
 """A kubelet stand-in that speaks the real device-plugin wire protocol on real sockets.
 
-Used by the tests, the benchmarks and ``fuse-device-plugin demo``. It does what the
+The kubelet of ``fuse-device-plugin demo``; the tests and the benchmarks use it too
+(``tests/lib/kubelet.py`` adds their hooks). It does what the
 kubelet's device manager does, in the order it does it:
 
 - serves ``Registration`` on ``<dir>/kubelet.sock``;
@@ -57,8 +58,6 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
         self.directory = Path(directory)
         self.registrations: list[Registration] = []
         self.refusals: list[str] = []
-        # Refuse this many Register calls (UNAVAILABLE), as a kubelet still starting would.
-        self.refuse_next = 0
         self._endpoints: dict[str, _Endpoint] = {}
         self._cond = threading.Condition()
         self._server: grpc.Server | None = None
@@ -128,10 +127,7 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
     def Register(self, request: api.RegisterRequest, context: grpc.ServicerContext
                  ) -> api.Empty:
         received = time.perf_counter()
-        problem = self._validate(request)
-        if not problem and self.refuse_next > 0:
-            self.refuse_next -= 1
-            problem = "device manager not ready (refused by test)"
+        problem = self.validate(request)
         if problem:
             with self._cond:
                 self.refusals.append(problem)
@@ -163,7 +159,8 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
             self._cond.notify_all()
         return api.Empty()
 
-    def _validate(self, request: api.RegisterRequest) -> str:
+    def validate(self, request: api.RegisterRequest) -> str:
+        """Why the kubelet would refuse this Register; empty when it accepts it."""
         if request.version != API_VERSION:
             return f"unsupported device plugin API version {request.version!r}"
         try:

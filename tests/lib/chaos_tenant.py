@@ -18,7 +18,7 @@ out without an answer) and how long it waited, and prints one JSON object at the
                                                       requests as fast as THREADS threads
                                                       can send them
 
-The toolkit of tests/containers/attacker.py does each of these once; here they go on for
+The toolkit of tests/lib/attacker.py does each of these once; here they go on for
 a while, all at once, and every answer is counted.
 """
 

@@ -5,7 +5,7 @@ system calls (``fuse_plugin.profiles.presets``).
 
 ``runtime_default()`` is what a tenant's pod runs under when it asks for nothing: the
 real runtime-default rules (Debian containers-common's seccomp.json, converted for this
-machine and the pod's capabilities by tests/containers/runtime_default.py), not a list
+machine and the pod's capabilities by tests/lib/runtime_default.py), not a list
 of our own.
 """
 
@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from functools import cache
 
 from fuse_plugin.profiles import presets
-from fuse_plugin.sim import oci
-from tests.containers import runtime_default as converter
+from tests.lib import oci
+from tests.lib import runtime_default as converter
 
 PRESETS = tuple(presets.PRESETS)
 # containerd's default bounding set, the one a pod without capability additions gets.

@@ -1,24 +1,13 @@
-"""A pretend node for the demo, the tests and the benchmarks: a device-plugin directory and
+"""A pretend node for the tests and the benchmarks: a device-plugin directory and
 a real character device 10:229 in a directory of our own. The plugin only stat()s the
 device node, so it behaves exactly as it does against /dev/fuse. Needs root (mknod)."""
 
 from __future__ import annotations
 
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR
-
-
-def make_node(path: Path, major: int = FUSE_MAJOR, minor: int = FUSE_MINOR,
-              mode: int = 0o600) -> Path:
-    """Create a character device node (root only): the demo's and the tests' stand-in
-    for /dev/fuse. The plugin only stat()s the node, so it behaves like the real one."""
-    os.mknod(path, mode | stat.S_IFCHR, os.makedev(major, minor))
-    os.chmod(path, mode)  # mknod applies the umask
-    return path
+from fuse_plugin.demo import make_node
 
 
 @dataclass

@@ -17,10 +17,9 @@ from typing import Any
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.broker import protocol
 from fuse_plugin.broker.server import install_shim
-from fuse_plugin.sim import oci
-from tests.containers import plugin
-from tests.containers.servers import stop_process
-from tests.containers.workloads import wait_for
+from tests.lib import oci, plugin
+from tests.lib.servers import stop_process
+from tests.lib.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "fuse_plugin" / "broker" / "native"

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.sim.oci import Bind, ContainerRequest, Result, RuncContainer
-from tests.containers import profiles
-from tests.containers.servers import LOOPBACK, Moto, Sshd
+from tests.lib import profiles
+from tests.lib.oci import Bind, ContainerRequest, Result, RuncContainer
+from tests.lib.servers import LOOPBACK, Moto, Sshd
+from tests.lib.waiting import wait_for
 
 BUCKET = "fuse-e2e"
 S3_MOUNT = "/mnt/s3"
@@ -79,19 +78,6 @@ def lxcfs() -> Workload:
         LXCFS_MOUNT)
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
-             interval: float = 0.02) -> Any:
-    """Poll real state until ``predicate()`` is truthy; fail with ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"{what}: not within {timeout}s")
-        time.sleep(interval)
-
-
 HOLD = ["sleep", "infinity"]  # the container's init; workloads run with ``exec``
 
 
@@ -131,3 +117,16 @@ def mount(container: RuncContainer, workload: Workload, timeout: float = 20.0) -
     rc = proc.poll()
     return Result(list(workload.mount), 0 if rc is None else rc, "",
                   log.read_text(errors="replace"))
+
+
+HELLO = "served through the broker\n"
+
+
+def squash_image(directory: Path) -> Path:
+    """A squashfs image holding hello.txt (``HELLO``), for squashfuse."""
+    source, image = directory / "squash-src", directory / "image.sqfs"
+    source.mkdir(parents=True, exist_ok=True)
+    (source / "hello.txt").write_text(HELLO)
+    subprocess.run(["mksquashfs", str(source), str(image), "-noappend", "-quiet",
+                    "-no-progress"], check=True, capture_output=True, timeout=60)
+    return image

@@ -8,12 +8,14 @@ re-registration, asks for the Allocate answer a pod would get, and shuts down.
 
 ``--mount`` goes one step further where the machine allows it: it hands that Allocate
 answer to runc and mounts a squashfs image with squashfuse inside an unprivileged
-container confined by the generated seccomp profile (see ``fuse_plugin.oci``).
+container confined by the generated seccomp profile (see ``container.py`` here).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import sys
 import tempfile
 import time
@@ -26,11 +28,11 @@ import grpc
 from fuse_plugin import config, logs
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.config import DEFAULT_FUSE_DEVICE, Settings
+from fuse_plugin.demo import container
+from fuse_plugin.demo.kubelet import KubeletStandIn
 from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR, Health, probe
 from fuse_plugin.errors import Failure
 from fuse_plugin.plugin import in_background
-from fuse_plugin.sim.kubelet import KubeletStandIn
-from fuse_plugin.sim.node import make_node
 
 WAIT = 15.0
 
@@ -43,6 +45,15 @@ class DemoError(Failure):
 class DemoDevice:
     path: Path
     note: str
+
+
+def make_node(path: Path, major: int = FUSE_MAJOR, minor: int = FUSE_MINOR,
+              mode: int = 0o600) -> Path:
+    """Create a character device node (root only): the demo's and the tests' stand-in
+    for /dev/fuse. The plugin only stat()s the node, so it behaves like the real one."""
+    os.mknod(path, mode | stat.S_IFCHR, os.makedev(major, minor))
+    os.chmod(path, mode)  # mknod applies the umask
+    return path
 
 
 def pick_device(workdir: Path, host_device: Path = DEFAULT_FUSE_DEVICE) -> DemoDevice:
@@ -93,13 +104,13 @@ def _ms(seconds: float) -> str:
 def describe_allocation(response: api.AllocateResponse) -> list[str]:
     """The DeviceSpecs, mounts and env of an Allocate answer, one line each."""
     lines = []
-    for index, container in enumerate(response.container_responses):
-        for spec in container.devices:
+    for index, answer in enumerate(response.container_responses):
+        for spec in answer.devices:
             lines.append(f"container {index}: device container_path={spec.container_path} "
                          f"host_path={spec.host_path} permissions={spec.permissions}")
         lines += [f"container {index}: mount {m.host_path} -> {m.container_path}"
-                  for m in container.mounts]
-        lines += [f"container {index}: env {k}={v}" for k, v in sorted(container.envs.items())]
+                  for m in answer.mounts]
+        lines += [f"container {index}: env {k}={v}" for k, v in sorted(answer.envs.items())]
     return lines
 
 
@@ -214,10 +225,8 @@ def _id_range(ids: list[str]) -> str:
 
 
 def _mount_flow(say: Narrator, allocation: api.AllocateResponse | None) -> None:
-    from fuse_plugin.sim import oci
-
     say.step("--mount: a real unprivileged container mounts a FUSE filesystem")
-    blockers = oci.mount_blockers()
+    blockers = container.mount_blockers()
     if allocation is None:
         blockers.insert(0, "the plugin refused Allocate on this machine (no usable /dev/fuse)")
     if blockers:
@@ -228,8 +237,8 @@ def _mount_flow(say: Narrator, allocation: api.AllocateResponse | None) -> None:
     assert allocation is not None
     specs = list(allocation.container_responses[0].devices)
     try:
-        result = oci.run_mount_demo(specs)
-    except oci.ContainerError as err:
+        result = container.run_mount_demo(specs)
+    except container.ContainerError as err:
         raise DemoError(f"--mount: {err}") from None
     for text in result.setup:
         say.detail(text)

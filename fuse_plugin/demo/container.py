@@ -1,15 +1,14 @@
-"""OCI bundles for runc, built the way the kubelet and containerd build them for a pod,
-and ``Runc``/``RuncContainer`` to run them with deadlines that can never leave a hung FUSE
-daemon behind. The one harness behind ``demo --mount`` and the container tests; how each
-pod field maps to the bundle, and what differs from a real node on purpose, is in
-docs/oci-harness.md.
+"""The demo's container: an OCI bundle for runc built the way the kubelet and containerd
+build one for a pod, run once with a deadline that can never leave a hung FUSE daemon
+behind. ``demo --mount`` hands it the plugin's Allocate answer and mounts a squashfs
+image with squashfuse inside it, unprivileged and confined by the generated seccomp
+profile. The container tests extend it (``tests/lib/oci.py``: users, user namespaces,
+privileged pods, exec); how each pod field maps to the bundle is in docs/oci-harness.md.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
-import importlib.util
 import json
 import os
 import shutil
@@ -22,18 +21,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
+from fuse_plugin import profiles
 from fuse_plugin.api import api_pb2 as api
+from fuse_plugin.broker.policy import is_fuse
 from fuse_plugin.config import DEFAULT_FUSE_DEVICE
 from fuse_plugin.devices import Health, probe
 
 Spec = dict[str, Any]
+R = TypeVar("R", bound="Runc")
 
 RUNC = "runc"
 FUSECTL = Path("/sys/fs/fuse/connections")
-USERNS_HOST_ID = 100000
-USERNS_SIZE = 65536
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 RUN_TIMEOUT = 60.0
 
@@ -42,18 +42,6 @@ DEFAULT_CAPABILITIES = (
     "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
     "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
     "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
-)
-# Every capability, in bit order (CAP_CHOWN is bit 0).
-ALL_CAPABILITIES = (
-    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID",
-    "CAP_KILL", "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_LINUX_IMMUTABLE",
-    "CAP_NET_BIND_SERVICE", "CAP_NET_BROADCAST", "CAP_NET_ADMIN", "CAP_NET_RAW",
-    "CAP_IPC_LOCK", "CAP_IPC_OWNER", "CAP_SYS_MODULE", "CAP_SYS_RAWIO", "CAP_SYS_CHROOT",
-    "CAP_SYS_PTRACE", "CAP_SYS_PACCT", "CAP_SYS_ADMIN", "CAP_SYS_BOOT", "CAP_SYS_NICE",
-    "CAP_SYS_RESOURCE", "CAP_SYS_TIME", "CAP_SYS_TTY_CONFIG", "CAP_MKNOD", "CAP_LEASE",
-    "CAP_AUDIT_WRITE", "CAP_AUDIT_CONTROL", "CAP_SETFCAP", "CAP_MAC_OVERRIDE",
-    "CAP_MAC_ADMIN", "CAP_SYSLOG", "CAP_WAKE_ALARM", "CAP_BLOCK_SUSPEND", "CAP_AUDIT_READ",
-    "CAP_PERFMON", "CAP_BPF", "CAP_CHECKPOINT_RESTORE",
 )
 # In ``drop_capabilities``: start from no capabilities (the CRI's "ALL").
 DROP_ALL = "ALL"
@@ -143,7 +131,8 @@ class Bind:
 
 @dataclass
 class ContainerRequest:
-    """One container of a pod, reduced to what the demo and the tests vary.
+    """One container of a pod, reduced to what the demo varies (the tests' rig adds
+    users, user namespaces, privileged pods and limits).
 
     ``allocation`` is the plugin's ContainerAllocateResponse for this container (None: the
     pod did not ask for github.com/fuse). ``seccomp`` is a profile as JSON text or a
@@ -158,17 +147,8 @@ class ContainerRequest:
     env: Mapping[str, str] = field(default_factory=dict)
     binds: Sequence[Bind] = ()
     tmpfs: Sequence[str] = ()
-    memory_limit: int | None = None
-    cpuset: str | None = None
     readonly_rootfs: bool = False
-    # runAsUser/runAsGroup/supplementalGroups and allowPrivilegeEscalation: false.
-    user: tuple[int, int] = (0, 0)
-    groups: Sequence[int] = ()
-    no_new_privileges: bool = False
     host_network: bool = True
-    host_users: bool = True
-    privileged: bool = False
-    host_dev: Path = Path("/dev")
     hostname: str = "fuse-e2e"
 
 
@@ -231,19 +211,6 @@ def device_entries(specs: Iterable[api.DeviceSpec]
     return nodes, rules
 
 
-def host_devices(dev_dir: Path) -> list[tuple[str, str]]:
-    """(host path, container path) of every node under a host /dev, as containerd's
-    HostDevices() lists them for a privileged container."""
-    found = []
-    for root, _dirs, files in os.walk(dev_dir):
-        for name in sorted(files):
-            path = Path(root, name)
-            mode = path.lstat().st_mode
-            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-                found.append((str(path), "/dev/" + str(path.relative_to(dev_dir))))
-    return found
-
-
 def load_seccomp(profile: str | Mapping[str, Any]) -> dict[str, Any]:
     """``linux.seccomp`` from a Localhost profile, as containerd loads it: the JSON is
     read straight into the OCI ``LinuxSeccomp`` struct, so only its fields survive;
@@ -256,19 +223,8 @@ def load_seccomp(profile: str | Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def runtime_capabilities() -> list[str]:
-    """What a privileged container gets: every capability in the runtime's own bounding
-    set (containerd reads its own; a runtime inside a container may lack some)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("CapBnd:"):
-            mask = int(line.split()[1], 16)
-            return [c for bit, c in enumerate(ALL_CAPABILITIES) if mask >> bit & 1]
-    return list(ALL_CAPABILITIES)
-
-
-def _capabilities(request: ContainerRequest) -> list[str]:
-    if request.privileged:
-        return runtime_capabilities()
+def capabilities(request: ContainerRequest) -> list[str]:
+    """containerd's default set, minus what the pod drops, plus what it adds."""
     drop = set(request.drop_capabilities)
     base = () if DROP_ALL in drop else DEFAULT_CAPABILITIES
     caps = [c for c in base if c not in drop]
@@ -276,42 +232,23 @@ def _capabilities(request: ContainerRequest) -> list[str]:
     return caps
 
 
-def _devices(request: ContainerRequest, allocation: api.ContainerAllocateResponse
-             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(linux.devices, linux.resources.devices)."""
-    nodes, allowed = device_entries(allocation.devices)
-    if request.privileged:
-        inside = {node["path"] for node in nodes}
-        host = [device_from_path(path, target)
-                for path, target in host_devices(request.host_dev) if target not in inside]
-        return host + nodes, [{"allow": True, "access": "rwm"}]
-    return nodes, [dict(DENY_ALL_DEVICES), *map(dict, DEFAULT_DEVICE_RULES), *allowed]
-
-
-def _mounts(request: ContainerRequest, allocation: api.ContainerAllocateResponse
-            ) -> list[dict[str, Any]]:
-    mounts = [copy.deepcopy(m) for m in DEFAULT_MOUNTS]
-    for m in mounts:
-        if request.privileged and m["destination"] in ("/sys", "/sys/fs/cgroup"):
-            m["options"] = [o for o in m["options"] if o != "ro"]
-        if not request.host_users and m["destination"] == "/sys":
-            # A fresh sysfs is refused in a userns that keeps the host network namespace.
-            m.update(type="bind", source="/sys",
-                     options=["rbind", "nosuid", "noexec", "nodev", "ro"])
-    if not request.host_users:
-        mounts = [m for m in mounts if m["destination"] != "/sys/fs/cgroup"]
-    mounts += [{"destination": d, "type": "bind", "source": d, "options": ["rbind", "ro"]}
-               for d in IMAGE_BINDS]
-    mounts.append({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
-                   "options": ["nosuid", "nodev", "mode=1777"]})
+def mounts(request: ContainerRequest, allocation: api.ContainerAllocateResponse
+           ) -> list[dict[str, Any]]:
+    """The runtime's defaults, the stand-in image, the Allocate answer's mounts, the
+    pod's volumes and emptyDirs, in the order containerd lists them."""
+    found = [copy.deepcopy(m) for m in DEFAULT_MOUNTS]
+    found += [{"destination": d, "type": "bind", "source": d, "options": ["rbind", "ro"]}
+              for d in IMAGE_BINDS]
+    found.append({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+                  "options": ["nosuid", "nodev", "mode=1777"]})
     volumes = [Bind(Path(m.host_path), m.container_path, m.read_only)
                for m in allocation.mounts] + list(request.binds)
-    mounts += [{"destination": b.destination, "type": "bind", "source": str(b.source),
-                "options": ["rbind", b.propagation, "ro" if b.readonly else "rw"]}
-               for b in volumes]
-    mounts += [{"destination": target, "type": "tmpfs", "source": "tmpfs",
-                "options": list(EMPTY_DIR_OPTIONS)} for target in request.tmpfs]
-    return mounts
+    found += [{"destination": b.destination, "type": "bind", "source": str(b.source),
+               "options": ["rbind", b.propagation, "ro" if b.readonly else "rw"]}
+              for b in volumes]
+    found += [{"destination": target, "type": "tmpfs", "source": "tmpfs",
+               "options": list(EMPTY_DIR_OPTIONS)} for target in request.tmpfs]
+    return found
 
 
 def build_spec(request: ContainerRequest) -> Spec:
@@ -319,72 +256,45 @@ def build_spec(request: ContainerRequest) -> Spec:
     allocation = request.allocation or api.ContainerAllocateResponse()
     if allocation.cdi_devices:
         raise NotImplementedError("CDI devices in an AllocateResponse are not modelled here")
-    caps = _capabilities(request)
-    devices, rules = _devices(request, allocation)
-    mounts = _mounts(request, allocation)
+    caps = capabilities(request)
+    devices, allowed = device_entries(allocation.devices)
+    rules = [dict(DENY_ALL_DEVICES), *map(dict, DEFAULT_DEVICE_RULES), *allowed]
 
     env = [PATH_ENV, f"HOSTNAME={request.hostname}"]
     env += [f"{k}={v}" for k, v in allocation.envs.items()]
     env += [f"{k}={v}" for k, v in request.env.items()]
 
-    resources: dict[str, Any] = {"devices": rules}
-    if request.memory_limit is not None:
-        resources["memory"] = {"limit": request.memory_limit}
-    if request.cpuset is not None:
-        resources["cpu"] = {"cpus": request.cpuset}
-
     kinds = ("pid", "ipc", "uts", "mount") if request.host_network else (
         "pid", "network", "ipc", "uts", "mount")
-    namespaces = [{"type": t} for t in kinds]
     linux: dict[str, Any] = {
-        "resources": resources,
-        "namespaces": namespaces,
+        "resources": {"devices": rules},
+        "namespaces": [{"type": t} for t in kinds],
         "devices": devices,
+        "maskedPaths": list(MASKED_PATHS),
+        "readonlyPaths": list(READONLY_PATHS),
     }
-    if not request.privileged:
-        linux["maskedPaths"] = list(MASKED_PATHS)
-        linux["readonlyPaths"] = list(READONLY_PATHS)
-        if request.seccomp is not None:
-            linux["seccomp"] = load_seccomp(request.seccomp)
-    if not request.host_users:
-        namespaces.append({"type": "user"})
-        mapping = [{"containerID": 0, "hostID": USERNS_HOST_ID, "size": USERNS_SIZE}]
-        linux["uidMappings"] = mapping
-        linux["gidMappings"] = copy.deepcopy(mapping)
+    if request.seccomp is not None:
+        linux["seccomp"] = load_seccomp(request.seccomp)
 
     return {
         "ociVersion": "1.0.2",
         "process": {
             "terminal": False,
-            "user": {"uid": request.user[0], "gid": request.user[1],
-                     **({"additionalGids": list(request.groups)} if request.groups else {})},
+            "user": {"uid": 0, "gid": 0},
             "args": list(request.args),
             "env": env,
             "cwd": "/",
             "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
             # False as the kubelet sets it for a container that adds SYS_ADMIN (Kubernetes
-            # refuses allowPrivilegeEscalation: false together with CAP_SYS_ADMIN); true
-            # for a restricted pod.
-            "noNewPrivileges": request.no_new_privileges,
+            # refuses allowPrivilegeEscalation: false together with CAP_SYS_ADMIN).
+            "noNewPrivileges": False,
         },
         "root": {"path": "rootfs", "readonly": request.readonly_rootfs},
         "hostname": request.hostname,
-        "mounts": mounts,
+        "mounts": mounts(request, allocation),
         "annotations": dict(allocation.annotations),
         "linux": linux,
     }
-
-
-def remove_device_rule(spec: Spec, container_path: str) -> Spec:
-    """The spec without the devices-cgroup allow rule for one of its linux.devices: the
-    negative control that shows the rule, not the node, is what lets the open through."""
-    out = copy.deepcopy(spec)
-    device = next(d for d in out["linux"]["devices"] if d["path"] == container_path)
-    out["linux"]["resources"]["devices"] = [
-        r for r in out["linux"]["resources"]["devices"]
-        if not (r.get("allow") and r.get("type") == device["type"]
-                and r.get("major") == device["major"] and r.get("minor") == device["minor"])]
-    return out
 
 
 # -- the bundle on disk ------------------------------------------------------------------
@@ -446,27 +356,6 @@ def write_bundle(bundle: Path, spec: Spec) -> Path:
 # -- FUSE connections --------------------------------------------------------------------
 
 
-def ensure_fusectl() -> bool:
-    """Mount fusectl on /sys/fs/fuse/connections if it is not (systemd mounts it at boot;
-    a VM or container without systemd may not have it). True when the abort files are
-    usable."""
-    if _is_fusectl():
-        return True
-    if not FUSECTL.is_dir():
-        return False
-    result = subprocess.run(["mount", "-t", "fusectl", "fusectl", str(FUSECTL)],
-                            capture_output=True, text=True, check=False)
-    return result.returncode == 0 and _is_fusectl()
-
-
-def _is_fusectl() -> bool:
-    try:
-        mounts = Path("/proc/self/mounts").read_text()
-    except OSError:
-        return False
-    return any(line.split()[1:3] == [str(FUSECTL), "fusectl"] for line in mounts.splitlines())
-
-
 def fuse_mounts_of(pid: int) -> list[tuple[str, str, str]]:
     """(mount point, fstype, superblock device ``major:minor``) of every FUSE mount in
     ``pid``'s mount namespace, from its mountinfo; empty once the process is gone."""
@@ -478,7 +367,7 @@ def fuse_mounts_of(pid: int) -> list[tuple[str, str, str]]:
     for line in text.splitlines():
         left, _, right = line.partition(" - ")
         fstype = right.split(" ", 1)[0]
-        if _is_fuse(fstype):
+        if is_fuse(fstype):
             fields = left.split()
             found.append((fields[4], fstype, fields[2]))
     return found
@@ -493,10 +382,6 @@ def fuse_connections_of(pid: int) -> set[int]:
         if major == "0":
             found.add(int(minor))
     return found
-
-
-def _is_fuse(fstype: str) -> bool:
-    return fstype in ("fuse", "fuseblk") or fstype.startswith(("fuse.", "fuseblk."))
 
 
 def abort_fuse_connection(number: int) -> bool:
@@ -540,7 +425,7 @@ class Runc:
         self.root = base / "runc"
         self.containers: list[RuncContainer] = []
 
-    def __enter__(self) -> Runc:
+    def __enter__(self: R) -> R:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
@@ -555,9 +440,14 @@ class Runc:
         spec = copy.deepcopy(spec)
         spec["linux"]["cgroupsPath"] = f"/{cid}"
         bundle = write_bundle(self.base / cid, spec)
-        container = RuncContainer(self, cid, bundle)
+        container = self.made(cid, bundle)
         self.containers.append(container)
         return container
+
+    def made(self, cid: str, bundle: Path) -> RuncContainer:
+        """The object for a container just written to disk; the tests' rig returns one
+        that can also be started and exec'd into."""
+        return RuncContainer(self, cid, bundle)
 
     def close(self) -> None:
         """Delete every container made here (even after failures), then the directory."""
@@ -574,7 +464,7 @@ class Runc:
 
 
 class RuncContainer:
-    """One container made by ``Runc.create``: started, run to its end, exec'd into."""
+    """One container made by ``Runc.create``, run to its end and deleted."""
 
     def __init__(self, runc: Runc, cid: str, bundle: Path) -> None:
         self.runc = runc
@@ -583,27 +473,6 @@ class RuncContainer:
         self.pid = 0
         self.started = False
         self.deleted = False
-        self._execs = 0
-        # ``runc exec`` processes left running (a foreground daemon); reaped on delete.
-        self.daemons: list[subprocess.Popen[bytes]] = []
-
-    # -- lifecycle -----------------------------------------------------------------------
-
-    def start(self, timeout: float = 20.0) -> RuncContainer:
-        """``runc run --detach``; the init process is the spec's args (a long-lived one)."""
-        log = self.bundle / "init.log"
-        with log.open("wb") as out:
-            proc = subprocess.run(
-                self.runc.command("run", "--detach", "--bundle", str(self.bundle),
-                                  "--pid-file", str(self.bundle / "init.pid"), self.id),
-                stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=timeout,
-                check=False)
-        self.started = True
-        if proc.returncode != 0:
-            raise ContainerError(f"runc run {self.id} failed ({proc.returncode}): "
-                                 f"{log.read_text(errors='replace')}")
-        self.pid = int((self.bundle / "init.pid").read_text())
-        return self
 
     def run_to_end(self, timeout: float = 30.0) -> Result:
         """``runc run`` in the foreground: the spec's args run as the container's init;
@@ -639,43 +508,7 @@ class RuncContainer:
         raise ContainerError(f"runc delete {self.id} did not finish")
 
     def _reap(self) -> None:
-        for daemon in self.daemons:
-            try:
-                daemon.wait(10)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait(10)
-        self.daemons.clear()
-
-    # -- inside --------------------------------------------------------------------------
-
-    def exec(self, *args: str, timeout: float = 20.0, detach: bool = False,
-             env: Mapping[str, str] | None = None, user: str | None = None) -> Result:
-        """``runc exec`` with a deadline; the process gets the container's capabilities,
-        seccomp profile and cgroup. At the deadline every FUSE connection mounted in the
-        container is aborted and the exec is killed (``ContainerTimeout``).
-
-        Output goes to files, not pipes: a FUSE daemon that forks (sshfs's ssh child)
-        keeps inherited pipes open long after the command itself returned."""
-        self._execs += 1
-        stem = self.bundle / f"exec{self._execs}"
-        extra: list[str] = []
-        for k, v in (env or {}).items():
-            extra += ["--env", f"{k}={v}"]
-        if detach:
-            extra.append("--detach")
-        if user is not None:  # UID:GID, as the process's own (runc exec --user)
-            extra += ["--user", user]
-        out, err = stem.with_suffix(".out"), stem.with_suffix(".err")
-        with out.open("wb") as o, err.open("wb") as e:
-            proc = subprocess.Popen(self.runc.command("exec", *extra, self.id, *args),
-                                    stdin=subprocess.DEVNULL, stdout=o, stderr=e)
-            rc = self._wait(proc, timeout, " ".join(args))
-        return Result(list(args), rc, out.read_text(errors="replace"),
-                      err.read_text(errors="replace"))
-
-    def sh(self, script: str, timeout: float = 20.0) -> Result:
-        return self.exec("/bin/sh", "-c", script, timeout=timeout)
+        """After a delete: wait for what was started besides init (nothing, here)."""
 
     def _wait(self, proc: subprocess.Popen[bytes], timeout: float, what: str) -> int:
         try:
@@ -708,10 +541,6 @@ class RuncContainer:
             if abort_fuse_connection(number):
                 aborted.add(number)
         return aborted
-
-    def mounts(self) -> list[tuple[str, str]]:
-        """(mount point, fstype) of the FUSE mounts in the container's mount namespace."""
-        return [(point, fstype) for point, fstype, _ in fuse_mounts_of(self.pid)]
 
 
 def run_container(container: Container, timeout: float = RUN_TIMEOUT) -> Result:
@@ -768,16 +597,11 @@ def mount_blockers(device: Path = DEFAULT_FUSE_DEVICE) -> list[str]:
     for program, package in (("squashfuse", "squashfuse"), ("mksquashfs", "squashfs-tools")):
         if shutil.which(program) is None:
             blockers.append(f"{program} is not installed (apt-get install {package})")
-    if importlib.util.find_spec("fuse_plugin.profiles") is None:
-        blockers.append("the seccomp profile generator (fuse_plugin.profiles) is missing")
     return blockers
 
 
 def seccomp_profile(preset: str = SECCOMP_PRESET) -> dict[str, Any]:
     """The generated profile, as a pod's ``seccompProfile: Localhost`` would load it."""
-    # Imported by name: the generator is its own subpackage and the demo must still run
-    # (and say why --mount is skipped) on an install that lacks it.
-    profiles = importlib.import_module("fuse_plugin.profiles")
     rendered: object = profiles.render_seccomp(preset)
     profile = json.loads(rendered) if isinstance(rendered, (str, bytes)) else rendered
     if not isinstance(profile, dict):
