@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON (default {RESULTS})")
     parser.add_argument("--broker-cpu-request", type=int, default=0, metavar="MILLICORES",
                         help="run the broker with the CPU weight of a pod requesting this "
-                             "much (the DaemonSet requests 10); default: no cgroup of its "
+                             "much (the DaemonSet requests 100); default: no cgroup of its "
                              "own (each container has the weight of a 1-CPU request)")
     args = parser.parse_args(argv)
     problems = blockers()
