@@ -216,10 +216,12 @@ def grace_period() -> float:
 
 
 def rss_kib(pid: int) -> int:
+    """The process's resident memory; ProcessLookupError once it has exited (a zombie's
+    status has no VmRSS line)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
-    raise KeyError("VmRSS")
+    raise ProcessLookupError(f"process {pid} has exited")
 
 
 def fd_count(pid: int) -> int:

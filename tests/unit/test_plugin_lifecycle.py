@@ -16,7 +16,8 @@ from fuse_plugin.api import api_pb2 as api
 from tests.lib.kubelet import KubeletStandIn, socket_files
 from tests.lib.node import FakeNode
 from tests.lib.plugin import RESOURCE, StartPlugin
-from tests.lib.waiting import wait_until
+from tests.lib.probes import DEADLINE
+from tests.lib.waiting import wait_for, wait_until
 
 SOCKET = "github.com_fuse.sock"
 
@@ -166,6 +167,9 @@ def test_json_logs_are_one_object_per_line(kubelet: KubeletStandIn,
     plugin = start_plugin("--log-format", "json", "--log-level", "debug")
     kubelet.wait_registered()
     kubelet.allocate(RESOURCE, [["fuse-1"]])
+    # The stand-in counts a Register when it answers; the plugin logs it when the answer
+    # arrives, which may be after the Allocate.
+    wait_for(lambda: plugin.events("registered"), DEADLINE, "the plugin's registered event")
     assert plugin.terminate() == 0
     events = [json.loads(line) for line in plugin.log.splitlines()]
     names = [e["event"] for e in events]
