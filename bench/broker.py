@@ -413,7 +413,7 @@ BROKER_PHASES = (
     ("walk", "mark until the facts (broker's go, the walk)"),
     ("verdict", "facts until the verdict (policy)"),
     ("mount", "verdict until the helper's ok (fsopen..move_mount, read-back)"),
-    ("reply", "helper's ok until the reply is sent (record, log line)"),
+    ("reply", "helper's ok until the reply is sent (connection, log line)"),
     ("handback", "reply until the shim hands the fd to libfuse"),
     ("daemonize", "fd until the program returns (libfuse init, daemonize)"),
 )
