@@ -63,7 +63,7 @@ import yaml
 from fuse_plugin.api import api_pb2 as api
 from tests.lib import broker as broker_rig
 from tests.lib import oci, plugin, profiles, waiting, workloads
-from tests.lib.servers import Sshd, free_port
+from tests.lib.servers import Sshd, free_port, stop_process
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "broker.json"
@@ -590,12 +590,7 @@ def breakdown(broker: broker_rig.BrokerProcess, containers: dict[str, oci.RuncCo
             traced_ms[mode] = got["mount_ms"]
         time.sleep(0.5)  # the last lines reach perf's buffer
     finally:
-        tracer.send_signal(signal.SIGINT)
-        try:
-            tracer.wait(30)
-        except subprocess.TimeoutExpired:
-            tracer.kill()
-            tracer.wait(10)
+        stop_process(tracer, signal.SIGINT, grace=30)  # perf trace flushes on SIGINT
     runs = classify(parse_trace(out.read_text(errors="replace")), broker.pid)
     out.unlink(missing_ok=True)
     report: dict[str, Any] = {"rounds": rounds, "modes": {}}

@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -47,6 +46,7 @@ from fuse_plugin.config import API_VERSION
 from fuse_plugin.devices import slot_ids
 from tests.lib.kubelet import KubeletStandIn
 from tests.lib.node import FakeNode
+from tests.lib.servers import stop_process
 
 HERE = Path(__file__).resolve().parent
 DAEMONSET = HERE.parent / "manifests" / "plugin-daemonset.yaml"
@@ -150,13 +150,7 @@ class Proc:
         return sum(_schedstat(self.pid, tid)[0] for tid in self.tasks()) / 1e9
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
+        stop_process(self.popen)
 
 
 def _status_kib(pid: int, key: str) -> int:

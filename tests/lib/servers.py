@@ -25,13 +25,15 @@ def free_port() -> int:
         return port
 
 
-def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
-    """SIGTERM, then SIGKILL after 10 s: a process we started, by its recorded Popen."""
+def stop_process(proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM,
+                 grace: float = 10.0) -> None:
+    """``sig`` (SIGTERM), then SIGKILL after ``grace`` seconds: a process we started, by
+    its recorded Popen."""
     if proc is None or proc.poll() is not None:
         return
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     try:
-        proc.wait(10)
+        proc.wait(grace)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(10)
