@@ -63,6 +63,7 @@ import yaml
 from fuse_plugin.api import api_pb2 as api
 from tests.lib import broker as broker_rig
 from tests.lib import oci, plugin, profiles, waiting, workloads
+from tests.lib.node import UDEV_MODE, host_fuse_mode
 from tests.lib.servers import Sshd, free_port, stop_process
 
 HERE = Path(__file__).resolve().parent
@@ -785,7 +786,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_breakdown:
         sizes = Sizes(**{**asdict(sizes), "breakdown_rounds": 0})
     load_before = os.getloadavg()
-    got = run(sizes)
+    with host_fuse_mode(UDEV_MODE):  # broker-nonroot's caller opens /dev/fuse as uid 1000
+        got = run(sizes)
     table = rows(got.results)
     print(f"1-minute load before the run {load_before[0]:.2f}, after the latency and "
           f"throughput rounds {got.load_measured[0]:.2f} ({os.cpu_count()} CPUs); the CPUs "

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.lib.kubelet import KubeletStandIn
-from tests.lib.node import FakeNode
+from tests.lib.node import HOST_FUSE, UDEV_MODE, FakeNode, host_fuse_mode
 from tests.lib.plugin import PluginProcess, StartPlugin
 
 # Each slow stage is a folder, with the per-test timeout its slowest test needs (the
@@ -33,6 +33,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         timeout = STAGES[stage]
         if timeout is not None and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(timeout))
+
+
+@pytest.fixture(scope="session")
+def udev_fuse() -> Iterator[None]:
+    """The README's node precondition for non-root and user-namespaced callers: the host's
+    /dev/fuse at udev's 0666 for the rest of the session (a fresh machine's is 0600), put
+    back at the end. Every stage whose callers need it asks for it."""
+    if not HOST_FUSE.is_char_device() or os.geteuid() != 0:
+        yield
+        return
+    with host_fuse_mode(UDEV_MODE):
+        yield
 
 
 @pytest.fixture

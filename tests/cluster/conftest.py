@@ -68,7 +68,7 @@ def evidence_file() -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(evidence_file: Path) -> Iterator[Cluster]:
+def cluster(evidence_file: Path, udev_fuse: None) -> Iterator[Cluster]:
     reason = node_skip_reason("cluster stage")
     if reason:
         print(f"SKIPPED cluster stage: {reason}", file=sys.stderr)

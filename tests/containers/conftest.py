@@ -32,7 +32,7 @@ def machine_problem() -> str:
 
 
 @pytest.fixture(scope="session")
-def machine() -> None:
+def machine(udev_fuse: None) -> None:
     problem = machine_problem()
     if problem:
         pytest.skip(f"real-container tests skipped: {problem}")

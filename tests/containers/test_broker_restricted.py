@@ -12,8 +12,6 @@ rule), and the broker refuses what fusermount3 refuses users.
 from __future__ import annotations
 
 import hashlib
-import stat
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,18 +59,6 @@ def super_options(container: oci.RuncContainer, mountpoint: str) -> set[str]:
     line = next(row for row in Path(f"/proc/{container.pid}/mountinfo").read_text()
                 .splitlines() if f" {mountpoint} " in row)
     return set(line.split(" - ")[1].split()[2].split(","))
-
-
-@pytest.fixture
-def fuse_0666(machine: None) -> Iterator[None]:
-    """A user-namespaced pod opens the node's /dev/fuse as an unprivileged uid: the node
-    must have it 0666 (udev's default; docs/broker.md). Restored afterwards."""
-    original = stat.S_IMODE(FUSE.stat().st_mode)
-    FUSE.chmod(0o666)
-    try:
-        yield
-    finally:
-        FUSE.chmod(original)
 
 
 def test_sshfs_as_uid_1000_with_what_restricted_pods_have(
@@ -137,7 +123,7 @@ def test_s3fs_as_a_uid_with_no_passwd_entry(
 @pytest.mark.parametrize("uid", [0, TENANT], ids=["root inside", "uid 1000 inside"])
 def test_user_namespaced_pods_mount_as_themselves(  # noqa: PLR0917
         broker_allocation: api.ContainerAllocateResponse, broker: BrokerProcess,
-        runc: oci.Runc, sshd: Sshd, tmp_path: Path, fuse_0666: None, uid: int) -> None:
+        runc: oci.Runc, sshd: Sshd, tmp_path: Path, uid: int) -> None:
     """hostUsers: false. The superblock belongs to the pod's user namespace, so the
     mount's ids are the caller's as the pod names them, and files its daemon reports as
     the caller's (idmap=user) appear owned by the caller inside."""

@@ -7,7 +7,6 @@ host node's mode is always restored."""
 
 from __future__ import annotations
 
-import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,22 +14,19 @@ import pytest
 
 from fuse_plugin.api import api_pb2 as api
 from tests.lib import oci, workloads
+from tests.lib.node import HOST_FUSE, UDEV_MODE, host_fuse_mode
 from tests.lib.servers import Moto, Sshd
 from tests.lib.workloads import BUCKET
 
-FUSE = Path("/dev/fuse")
 OPEN_EACCES = "fuse: failed to open /dev/fuse: Permission denied"
 OPEN_EPERM = "fuse: failed to open /dev/fuse: Operation not permitted"
 
 
 @pytest.fixture
 def fuse_mode(machine: None) -> Iterator[Callable[[int], None]]:
-    """Set the host /dev/fuse's mode for one test; the original is always put back."""
-    original = stat.S_IMODE(FUSE.stat().st_mode)
-    try:
-        yield FUSE.chmod
-    finally:
-        FUSE.chmod(original)
+    """Set the host /dev/fuse's mode for one test; the stage's mode is always put back."""
+    with host_fuse_mode(UDEV_MODE):
+        yield HOST_FUSE.chmod
 
 
 def _workload(name: str, runc: oci.Runc, request: pytest.FixtureRequest

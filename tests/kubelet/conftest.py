@@ -29,7 +29,7 @@ from tests.kubelet.static_pods import (
 
 
 @pytest.fixture(scope="module")
-def kube_node() -> Iterator[Any]:
+def kube_node(udev_fuse: None) -> Iterator[Any]:
     reason = _skip_reason()
     if reason:
         print(f"SKIPPED real-kubelet stage: {reason}", file=sys.stderr)
