@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""Regenerate fuse_plugin/api/ from protos/api.proto.
+"""Regenerate fuse_plugin/api/ from protos/*.proto.
 
 Usage: python scripts/gen_api.py [--out DIR]
 
 The stubs are generated with the pinned grpcio-tools from the dev extras so that the
 committed files are byte-for-byte reproducible; tests/unit/test_api_stubs.py regenerates into
 a temporary directory and fails when the committed copy is stale.
+
+Protos: api.proto (device plugin v1beta1), dra.proto (the kubelet's DRA v1 service) and
+pluginregistration.proto (the kubelet's plugin watcher, v1), one stub set each.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from pathlib import Path
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
-GENERATED = ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py")
+PROTOS = ("api", "dra", "pluginregistration")
+GENERATED = tuple(f"{proto}{suffix}" for proto in PROTOS
+                  for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
 
 
 def generate(out_root: Path) -> list[Path]:
@@ -32,7 +37,7 @@ def generate(out_root: Path) -> list[Path]:
         f"--python_out={out_root}",
         f"--pyi_out={out_root}",
         f"--grpc_python_out={out_root}",
-        "fuse_plugin/api/api.proto",
+        *(f"fuse_plugin/api/{proto}.proto" for proto in PROTOS),
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
