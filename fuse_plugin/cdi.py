@@ -9,12 +9,17 @@ and to the runtime.
 The runtime watches the spec directory and reads every ``*.json`` in it, so the file is
 written to a temp name without that suffix, synced, and renamed into place: a runtime
 never reads half a spec, and a crash leaves no spec that names the wrong device.
+
+The DRA driver (``fuse_plugin.dra``) writes its per-claim specs with the same functions:
+a device named after the claim, the node with a ``fileMode`` (so a non-root container can
+open it whatever the host node's mode), and in broker mode the broker's read-only binds.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,11 @@ CDI_VERSION_DOTTED_CLASS = "0.6.0"
 
 # CDI is stricter than Kubernetes: vendor and class start with a letter.
 _VENDOR_OR_CLASS = re.compile(r"^[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
+# A device name (CDI 0.5.0+ allows a leading digit, as a claim's UID may have).
+_DEVICE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?$")
+# Read-only binds: nosuid and nodev also keep them valid inside a user namespace, where a
+# bind may not drop those flags from its source.
+BIND_OPTIONS = ("ro", "nosuid", "nodev", "rbind", "rprivate")
 
 
 def check_kind(resource: str) -> None:
@@ -59,25 +69,52 @@ def spec_file_name(resource: str) -> str:
     return resource.replace("/", "-") + ".json"
 
 
-def build_spec(device: Path, resource: str) -> dict[str, Any]:
-    """The spec: one device whose only edit is the FUSE node, read-write, no mknod."""
+def check_device_name(name: str) -> None:
+    """Raise ValueError when ``name`` cannot be a CDI device name (or a file name part)."""
+    if not _DEVICE.match(name) or len(name) > 253:
+        raise ValueError(f"{name[:100]!r} is not a CDI device name: letters, digits, '_', "
+                         "'.', ':', '-', starting and ending with a letter or digit")
+
+
+def build_spec(device: Path, resource: str, *, name: str = DEVICE_NAME,
+               file_mode: int | None = None,
+               mounts: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+    """The spec: one device whose edits are the FUSE node, read-write, no mknod, and
+    ``mounts`` ((container path, host path) pairs) as read-only binds.
+
+    ``file_mode`` sets the mode of the node the runtime creates in the container (runc
+    makes a new node unless the container has a user namespace of its own, where it
+    binds the host's node and its mode); None leaves the runtime's choice.
+    """
     check_kind(resource)
-    node = {"path": CONTAINER_PATH, "hostPath": str(device), "type": "c",
-            "major": FUSE_MAJOR, "minor": FUSE_MINOR, "permissions": "rw"}
+    check_device_name(name)
+    node: dict[str, Any] = {"path": CONTAINER_PATH, "hostPath": str(device), "type": "c",
+                            "major": FUSE_MAJOR, "minor": FUSE_MINOR, "permissions": "rw"}
+    if file_mode is not None:
+        node["fileMode"] = file_mode
+    edits: dict[str, Any] = {"deviceNodes": [node]}
+    if mounts:
+        edits["mounts"] = [{"hostPath": host, "containerPath": inside,
+                            "options": list(BIND_OPTIONS), "type": "bind"}
+                           for inside, host in mounts]
     return {"cdiVersion": spec_version(resource), "kind": resource,
-            "devices": [{"name": DEVICE_NAME, "containerEdits": {"deviceNodes": [node]}}]}
+            "devices": [{"name": name, "containerEdits": edits}]}
 
 
-def write_spec(directory: Path, device: Path, resource: str) -> Path:
+def write_spec(directory: Path, device: Path, resource: str, *, name: str = DEVICE_NAME,
+               file_mode: int | None = None, mounts: Sequence[tuple[str, str]] = (),
+               file_name: str | None = None) -> Path:
     """Write the spec atomically into ``directory`` (created if missing); return its path.
 
+    ``file_name`` defaults to one derived from the kind (the device plugin's one spec).
     Raises ValueError for a resource that is not a CDI kind and OSError when the
     directory cannot be written; no temp file is left behind either way. The temp
     name ends in ``.tmp``, not ``.json``, so a runtime scanning the directory skips it.
     """
-    text = json.dumps(build_spec(device, resource), indent=2) + "\n"
+    spec = build_spec(device, resource, name=name, file_mode=file_mode, mounts=mounts)
+    text = json.dumps(spec, indent=2) + "\n"
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / spec_file_name(resource)
+    target = directory / (file_name or spec_file_name(resource))
     files.write_atomic(target, text.encode(), mode=0o644)
     return target
 

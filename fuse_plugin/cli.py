@@ -37,6 +37,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
                          "reload them when it changes"),
     "broker": ("fuse_plugin.broker.server",
                "run the node's FUSE mount broker (broker mode, docs/broker.md)"),
+    "dra": ("fuse_plugin.dra.command",
+            "run the DRA driver on this node: /dev/fuse through ResourceClaims "
+            "(docs/dra.md)"),
 }
 
 

@@ -1,0 +1,192 @@
+"""The one place that assembles the running DRA driver from its settings.
+
+``command`` (the CLI) and the tests build it here: the device's state (the same prober
+as the device plugin's health), the preparer, the gRPC sockets, the ResourceSlice
+publisher, the probe port and an inotify watch on the device's directory. The loop
+re-checks the device and the slice when the watch fires and every ``--resync-seconds``;
+everything started is undone in reverse order on the way out, whether the loop ended on
+SIGTERM or something failed half-way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from http import HTTPStatus
+from pathlib import Path
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
+from fuse_plugin import http_port, logs
+from fuse_plugin.devices import DeviceState, Health, Prober, probe
+from fuse_plugin.dra.claims import ClaimSource
+from fuse_plugin.dra.prepare import Preparer
+from fuse_plugin.dra.service import DraServicer, Registered, RegistrationServicer, Sockets
+from fuse_plugin.dra.settings import DraSettings
+from fuse_plugin.dra.slices import Publisher, SliceApi
+from fuse_plugin.errors import Failure
+
+JOIN_TIMEOUT = 15.0
+# The loop's heartbeat for /healthz: it wakes at least this often.
+HEARTBEAT = 5.0
+
+
+class _DeviceEvents(FileSystemEventHandler):
+    """Wakes the loop when the device node is removed, replaced or made."""
+
+    def __init__(self, device: Path, wake: threading.Event) -> None:
+        self._device = str(device)
+        self._wake = wake
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        dest = getattr(event, "dest_path", "") or ""
+        if self._device in {os.fsdecode(event.src_path), os.fsdecode(dest)}:
+            self._wake.set()
+
+
+@dataclass
+class Driver:
+    settings: DraSettings
+    state: DeviceState
+    preparer: Preparer
+    sockets: Sockets
+    registered: Registered
+    publisher: Publisher | None
+    log: logging.Logger
+    probe_port: int | None = None
+
+    def __post_init__(self) -> None:
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._beat = time.monotonic()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+
+    def run(self) -> int:
+        """Re-check the device and the slice until ``stop()``; exit code 0."""
+        resync = self.settings.resync_seconds
+        next_sync = 0.0
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            self._beat = now
+            changed = self.state.refresh()
+            if changed is not None:
+                level = logging.INFO if changed.health is Health.HEALTHY else logging.WARNING
+                logs.event(self.log, "device.health", level, health=changed.health.value,
+                           reason=changed.reason)
+            if self.publisher is not None and (changed is not None or now >= next_sync):
+                self.publisher.sync()
+                next_sync = now + (resync if not self.publisher.last_error
+                                   else min(resync, HEARTBEAT))
+            self._wake.wait(HEARTBEAT if self.publisher is None
+                            else max(0.0, min(HEARTBEAT, next_sync - time.monotonic())))
+            self._wake.clear()
+        logs.event(self.log, "stopping")
+        return 0
+
+    def alive(self) -> tuple[bool, str]:
+        if time.monotonic() - self._beat > 6 * HEARTBEAT:
+            return False, "loop stuck"
+        for path in (self.sockets.service, self.sockets.registration):
+            if not path.exists():
+                return False, f"{path} is gone"
+        return True, "ok"
+
+    def ready(self) -> tuple[bool, str]:
+        alive, reason = self.alive()
+        if not alive:
+            return False, reason
+        if not self.registered.registered:
+            return False, f"not registered with the kubelet {self.registered.error}".rstrip()
+        if self.state.health is not Health.HEALTHY:
+            return False, f"device unhealthy: {self.state.reason}"
+        if self.publisher is not None and (self.publisher.published is None
+                                           or self.publisher.last_error):
+            return False, f"ResourceSlice not published {self.publisher.last_error}".rstrip()
+        return True, "ready"
+
+
+def _routes(driver: Driver) -> dict[str, http_port.Route]:
+    def answer(check: tuple[bool, str]) -> http_port.Answer:
+        ok, reason = check
+        code = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
+        return code, f"{reason}\n".encode(), http_port.TEXT
+
+    return {"/healthz": lambda: answer(driver.alive()),
+            "/readyz": lambda: answer(driver.ready())}
+
+
+@contextmanager
+def assembled(settings: DraSettings, log: logging.Logger, claims: ClaimSource,
+              slices: SliceApi | None, prober: Prober = probe) -> Iterator[Driver]:
+    """Build and start the driver's parts; raise ``Failure`` (one line) when one cannot."""
+    with ExitStack() as stack:
+        state = DeviceState(settings.fuse_device, 1, prober)
+        try:
+            preparer = Preparer(settings.driver_name, claims, cdi_dir=settings.cdi_dir,
+                                fuse_device=settings.fuse_device,
+                                broker_dir=settings.broker_dir, log=log, prober=prober)
+        except ValueError as err:
+            raise Failure(f"--driver-name: {err}") from None
+        registered = Registered()
+        sockets = Sockets(settings.service_socket, settings.registration_socket,
+                          DraServicer(preparer, log),
+                          RegistrationServicer(settings.driver_name, settings.service_socket,
+                                               registered, log), log)
+        publisher = None
+        if settings.publish and slices is not None:
+            publisher = Publisher(slices, driver=settings.driver_name,
+                                  node=settings.node_name, slots=settings.slots,
+                                  sharing=settings.sharing, state=state, log=log)
+        driver = Driver(settings, state, preparer, sockets, registered, publisher, log)
+        observer = Observer()
+        with contextlib.suppress(OSError):
+            observer.schedule(_DeviceEvents(settings.fuse_device, driver._wake),
+                              str(settings.fuse_device.parent))
+        observer.daemon = True
+        observer.start()
+        stack.callback(observer.join, JOIN_TIMEOUT)
+        stack.callback(observer.stop)
+        # Publish before serving: a kubelet that registers us finds the pool in place.
+        if publisher is not None:
+            publisher.sync()
+        sockets.start()
+        stack.callback(sockets.stop)
+        if settings.probe_port:
+            try:
+                port = http_port.HttpPort(_routes(driver), settings.probe_address,
+                                          settings.probe_port, name="probes", log=log)
+            except OSError as err:
+                raise Failure(f"cannot serve probes on port {settings.probe_port}: "
+                              f"{err.strerror or err}") from None
+            stack.callback(port.stop)
+            port.start()
+            driver.probe_port = port.port
+            logs.event(log, "probes.serving", address=settings.probe_address, port=port.port)
+        yield driver
+
+
+@contextmanager
+def in_background(settings: DraSettings, log: logging.Logger, claims: ClaimSource,
+                  slices: SliceApi | None, prober: Prober = probe) -> Iterator[Driver]:
+    """The assembled driver with its loop on a thread: for the tests."""
+    with assembled(settings, log, claims, slices, prober) as driver:
+        thread = threading.Thread(target=driver.run, name="dra", daemon=True)
+        thread.start()
+        try:
+            yield driver
+        finally:
+            driver.stop()
+            thread.join(JOIN_TIMEOUT)

@@ -1,0 +1,184 @@
+"""The two gRPC services the kubelet calls, on the kubelet's plugin sockets.
+
+- Registration (``pluginregistration.Registration``) on
+  ``<registry-dir>/<driver>-reg.sock``: the kubelet's plugin watcher sees the socket
+  appear (and re-reads the directory when the kubelet restarts), asks ``GetInfo``, and
+  reports the outcome through ``NotifyRegistrationStatus``.
+- The DRA service (``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin``) on
+  ``<plugins-dir>/<driver>/dra.sock``, the endpoint GetInfo names.
+
+One gRPC server listens on both sockets; each claim of a call is answered on its own (an
+error is that claim's ``error`` string, never a failed call), since the kubelet retries
+only the claims that failed. A socket left by a killed driver is removed at start; one
+that another process serves is left alone and the start fails, saying so.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from pathlib import Path
+
+import grpc
+
+from fuse_plugin import logs, sockets
+from fuse_plugin.api import dra_pb2 as dra
+from fuse_plugin.api import dra_pb2_grpc, pluginregistration_pb2_grpc
+from fuse_plugin.api import pluginregistration_pb2 as reg
+from fuse_plugin.dra.claims import ClaimError
+from fuse_plugin.dra.prepare import Preparer
+from fuse_plugin.errors import Failure
+
+PLUGIN_TYPE = "DRAPlugin"
+# The kubelet picks the DRA API by this gRPC service name (its DRAPluginService constant).
+SUPPORTED_VERSIONS = ("v1.DRAPlugin",)
+WORKERS = 8
+
+
+class Registered:
+    """What the kubelet last said about our registration (for /readyz and the logs)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.registered = False
+        self.error = ""
+        self.calls = 0
+
+    def set(self, registered: bool, error: str) -> None:
+        with self._cond:
+            self.registered, self.error = registered, error
+            self.calls += 1
+            self._cond.notify_all()
+
+    def wait(self, timeout: float) -> bool:
+        """Until the kubelet has told us we are registered (tests and the demo)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.registered, timeout)
+
+
+class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
+    def __init__(self, driver: str, endpoint: Path, status: Registered,
+                 log: logging.Logger) -> None:
+        self._info = reg.PluginInfo(type=PLUGIN_TYPE, name=driver, endpoint=str(endpoint),
+                                    supported_versions=list(SUPPORTED_VERSIONS))
+        self._status = status
+        self._log = log
+
+    def GetInfo(self, request: reg.InfoRequest, context: grpc.ServicerContext
+                ) -> reg.PluginInfo:
+        logs.event(self._log, "registration.info_asked", level=logging.DEBUG)
+        return self._info
+
+    def NotifyRegistrationStatus(self, request: reg.RegistrationStatus,
+                                 context: grpc.ServicerContext
+                                 ) -> reg.RegistrationStatusResponse:
+        self._status.set(request.plugin_registered, request.error)
+        if request.plugin_registered:
+            logs.event(self._log, "registered", driver=self._info.name)
+        else:
+            logs.event(self._log, "registration.refused", logging.ERROR,
+                       driver=self._info.name, error=request.error)
+        return reg.RegistrationStatusResponse()
+
+
+class DraServicer(dra_pb2_grpc.DRAPluginServicer):
+    def __init__(self, preparer: Preparer, log: logging.Logger) -> None:
+        self._preparer = preparer
+        self._log = log
+
+    def NodePrepareResources(self, request: dra.NodePrepareResourcesRequest,
+                             context: grpc.ServicerContext
+                             ) -> dra.NodePrepareResourcesResponse:
+        response = dra.NodePrepareResourcesResponse()
+        for claim in request.claims:
+            response.claims[claim.uid].CopyFrom(self._prepare_one(claim))
+        return response
+
+    def _prepare_one(self, claim: dra.Claim) -> dra.NodePrepareResourceResponse:
+        try:
+            prepared = self._preparer.prepare(claim.namespace, claim.name, claim.uid)
+        except ClaimError as err:
+            logs.event(self._log, "claim.refused", logging.WARNING,
+                       claim=f"{claim.namespace}/{claim.name}", uid=claim.uid, error=str(err))
+            return dra.NodePrepareResourceResponse(error=str(err))
+        answer = dra.NodePrepareResourceResponse()
+        for item in prepared:
+            device = answer.devices.add(request_names=[item.request], pool_name=item.pool,
+                                        device_name=item.device,
+                                        cdi_device_ids=list(item.cdi_ids))
+            if item.share_id is not None:
+                device.share_id = item.share_id
+        return answer
+
+    def NodeUnprepareResources(self, request: dra.NodeUnprepareResourcesRequest,
+                               context: grpc.ServicerContext
+                               ) -> dra.NodeUnprepareResourcesResponse:
+        response = dra.NodeUnprepareResourcesResponse()
+        for claim in request.claims:
+            entry = response.claims[claim.uid]  # present even when empty, as required
+            try:
+                self._preparer.unprepare(claim.uid)
+            except ClaimError as err:
+                logs.event(self._log, "claim.unprepare_failed", logging.WARNING,
+                           claim=f"{claim.namespace}/{claim.name}", uid=claim.uid,
+                           error=str(err))
+                entry.error = str(err)
+        return response
+
+
+def _clear_stale(path: Path, log: logging.Logger) -> None:
+    """Remove a socket a killed driver left; refuse to take one another process serves."""
+    if not (path.exists() or path.is_symlink()):
+        return
+    if sockets.serving(path):
+        raise Failure(f"another process serves {path}: is a second driver running on this "
+                      "node?")
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise Failure(f"cannot remove the stale socket {path}: {err.strerror}") from None
+    logs.event(log, "socket.stale_removed", socket=str(path))
+
+
+class Sockets:
+    """The gRPC server on the service socket and the registration socket."""
+
+    def __init__(self, service: Path, registration: Path, dra_servicer: DraServicer,
+                 reg_servicer: RegistrationServicer, log: logging.Logger) -> None:
+        self.service = service
+        self.registration = registration
+        self._log = log
+        self._executor = concurrent.futures.ThreadPoolExecutor(WORKERS,
+                                                               thread_name_prefix="dra")
+        self._server = grpc.server(self._executor, options=[("grpc.so_reuseport", 0)])
+        dra_pb2_grpc.add_DRAPluginServicer_to_server(dra_servicer, self._server)
+        pluginregistration_pb2_grpc.add_RegistrationServicer_to_server(reg_servicer,
+                                                                      self._server)
+
+    def start(self) -> None:
+        """Bind the service socket first: once the registration socket appears the kubelet
+        may dial the endpoint at once."""
+        for path in (self.service, self.registration):
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise Failure(f"cannot create {path.parent}: {err.strerror}") from None
+            _clear_stale(path, self._log)
+            try:
+                self._server.add_insecure_port(f"unix://{path}")
+            except RuntimeError:
+                raise Failure(f"cannot bind {path}") from None
+        self._server.start()
+        logs.event(self._log, "serving", service=str(self.service),
+                   registration=str(self.registration))
+
+    def stop(self) -> None:
+        """Stop serving and remove both sockets: the kubelet's plugin watcher sees the
+        registration socket go and deregisters us."""
+        self._server.stop(grace=None).wait()
+        self._executor.shutdown(wait=True)
+        for path in (self.registration, self.service):
+            path.unlink(missing_ok=True)
