@@ -114,7 +114,9 @@ def allocation(claim: Mapping[str, Any], driver: str, uid: str) -> Allocation:
 
 
 class ApiClaims:
-    """Claims read with GET from the API server (``resourceclaims get`` in the RBAC)."""
+    """Claims read with GET from the API server (``resourceclaims get`` in the RBAC), as
+    the JSON the server sent: no typed model stands between a claim and its checks, so
+    a value of an unexpected type is a refusal with a message, not a decoding error."""
 
     def __init__(self, client: Any) -> None:
         self._client = client
@@ -122,7 +124,8 @@ class ApiClaims:
     def get(self, namespace: str, name: str) -> Mapping[str, Any]:
         import httpx2
         from lightkube import ApiError
-        from lightkube.resources.resource_v1 import ResourceClaim
+
+        from fuse_plugin.dra.resources import ResourceClaim
 
         try:
             claim = self._client.get(ResourceClaim, name, namespace=namespace)
@@ -132,5 +135,4 @@ class ApiClaims:
         except (httpx2.HTTPError, OSError) as err:  # unreachable, timed out, bad answer
             raise ClaimError(f"cannot read claim {namespace}/{name} from the API server: "
                              f"{type(err).__name__}: {err}") from None
-        result: Mapping[str, Any] = claim.to_dict()
-        return result
+        return dict(claim)

@@ -77,7 +77,9 @@ class Driver:
     def run(self) -> int:
         """Re-check the device and the slice until ``stop()``; exit code 0."""
         resync = self.settings.resync_seconds
-        next_sync = 0.0
+        synced = self.publisher is not None and self.publisher.published is not None \
+            and not self.publisher.last_error
+        next_sync = time.monotonic() + resync if synced else 0.0
         while not self._stopping.is_set():
             now = time.monotonic()
             self._beat = now

@@ -78,7 +78,12 @@ class Preparer:
             cdi.check_device_name(uid)
         except ValueError as err:
             raise ClaimError(f"claim {namespace}/{name}: UID {err}") from None
-        found = allocation(self._source.get(namespace, name), self.driver, uid)
+        try:
+            found = allocation(self._source.get(namespace, name), self.driver, uid)
+        except (AttributeError, TypeError, KeyError, ValueError) as err:
+            # The API server validates claims; this is a claim it did not write.
+            raise ClaimError(f"claim {namespace}/{name}: malformed allocation "
+                             f"({type(err).__name__}: {err})") from None
         self._check_node(found, f"{namespace}/{name}")
         mounts = self._broker_mounts if found.mode == "broker" else []
         with self._lock(uid):

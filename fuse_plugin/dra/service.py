@@ -102,6 +102,13 @@ class DraServicer(dra_pb2_grpc.DRAPluginServicer):
             logs.event(self._log, "claim.refused", logging.WARNING,
                        claim=f"{claim.namespace}/{claim.name}", uid=claim.uid, error=str(err))
             return dra.NodePrepareResourceResponse(error=str(err))
+        except Exception as err:  # a bug of ours: this claim fails, the call and the rest don't
+            logs.event(self._log, "claim.internal_error", logging.ERROR,
+                       claim=f"{claim.namespace}/{claim.name}", uid=claim.uid,
+                       error=f"{type(err).__name__}: {err}")
+            return dra.NodePrepareResourceResponse(
+                error=f"internal error of the {PLUGIN_TYPE} preparing this claim: "
+                      f"{type(err).__name__}: {err}")
         answer = dra.NodePrepareResourceResponse()
         for item in prepared:
             device = answer.devices.add(request_names=[item.request], pool_name=item.pool,

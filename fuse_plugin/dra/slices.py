@@ -107,6 +107,7 @@ class Publisher:
         self.last_error = ""
         self.syncs = 0
         self._cond = threading.Condition()
+        self._syncing = threading.Lock()  # the loop and a caller never sync at once
 
     def devices(self) -> list[dict[str, Any]]:
         if self._state.health is not Health.HEALTHY:
@@ -119,7 +120,8 @@ class Publisher:
         """Make the API server hold the slice we want; False (and ``last_error``) when a
         call failed, to be retried at the next sync."""
         try:
-            self._sync()
+            with self._syncing:
+                self._sync()
         except ApiFailure as err:
             self.last_error = str(err)
             logs.event(self._log, "slice.sync_failed", logging.WARNING, slice=self.name,
@@ -191,7 +193,7 @@ class Publisher:
 
 
 class LightkubeSlices:
-    """``SliceApi`` through lightkube: typed requests, JSON dicts in and out."""
+    """``SliceApi`` through lightkube's generic resources: JSON dicts in and out."""
 
     def __init__(self, client: Any) -> None:
         self._client = client
@@ -208,7 +210,7 @@ class LightkubeSlices:
             raise ApiFailure(f"{what}: {type(err).__name__}: {err}") from None
 
     def node_uid(self, node: str) -> str | None:
-        from lightkube.resources.core_v1 import Node
+        from fuse_plugin.dra.resources import Node
 
         try:
             found = self._call(f"get node {node}", lambda: self._client.get(Node, node))
@@ -216,34 +218,32 @@ class LightkubeSlices:
             logs.event(logs.get(), "slice.no_owner", logging.WARNING, error=str(err),
                        reason="the slice is published without the Node as its owner")
             return None
-        uid: str | None = found.metadata.uid
-        return uid
+        uid = (found.get("metadata") or {}).get("uid")
+        return uid if isinstance(uid, str) else None
 
     def list_slices(self, driver: str, node: str) -> list[dict[str, Any]]:
-        from lightkube.resources.resource_v1 import ResourceSlice
+        from fuse_plugin.dra.resources import ResourceSlice
 
         found = self._call("list resourceslices", lambda: list(self._client.list(
             ResourceSlice, fields={"spec.driver": driver, "spec.nodeName": node})))
-        return [item.to_dict() for item in found]
+        return [dict(item) for item in found]
 
     def create(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        from lightkube.resources.resource_v1 import ResourceSlice
+        from fuse_plugin.dra.resources import ResourceSlice
 
         created = self._call(f"create resourceslice {body['metadata']['name']}",
                              lambda: self._client.create(ResourceSlice.from_dict(dict(body))))
-        result: dict[str, Any] = created.to_dict()
-        return result
+        return dict(created)
 
     def replace(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        from lightkube.resources.resource_v1 import ResourceSlice
+        from fuse_plugin.dra.resources import ResourceSlice
 
         replaced = self._call(f"update resourceslice {body['metadata']['name']}",
                               lambda: self._client.replace(ResourceSlice.from_dict(dict(body))))
-        result: dict[str, Any] = replaced.to_dict()
-        return result
+        return dict(replaced)
 
     def delete(self, name: str) -> None:
-        from lightkube.resources.resource_v1 import ResourceSlice
+        from fuse_plugin.dra.resources import ResourceSlice
 
         self._call(f"delete resourceslice {name}",
                    lambda: self._client.delete(ResourceSlice, name))
