@@ -103,14 +103,15 @@ def test_restart_with_nothing_changed_writes_nothing(api: FakeApiServer) -> None
 
 def test_a_wiped_slice_is_made_again_and_strays_are_deleted(api: FakeApiServer) -> None:
     api.add_node(NODE)
-    stray = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+    stray: dict[str, Any] = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
              "metadata": {"name": f"{NODE}-{DRIVER_NAME}-x7k2p", "resourceVersion": "1",
                           "uid": "u"},
              "spec": {"driver": DRIVER_NAME, "nodeName": NODE,
                       "pool": {"name": NODE, "generation": 7, "resourceSliceCount": 1},
                       "devices": [{"name": "fuse-0"}]}}
-    other_node = {**stray, "metadata": {**stray["metadata"], "name": "node-2-slice"},
-                  "spec": {**stray["spec"], "nodeName": "node-2"}}
+    other_node: dict[str, Any] = {
+        **stray, "metadata": {**stray["metadata"], "name": "node-2-slice"},
+        "spec": {**stray["spec"], "nodeName": "node-2"}}
     api.slices[stray["metadata"]["name"]] = stray
     api.slices["node-2-slice"] = other_node
     with running_driver(api) as rig:
