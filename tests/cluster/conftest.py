@@ -89,17 +89,16 @@ def cluster(evidence_file: Path, udev_fuse: None) -> Iterator[Cluster]:
     evidence(
         "versions",
         f"setup.sh took {setup_s:.0f}s",
-        "etcd: " + first_line("etcd", "--version"),
+        "etcd: " + first_line(str(bins / "etcd"), "--version"),
         "kube-apiserver: " + first_line(str(bins / "kube-apiserver"), "--version"),
         "kube-controller-manager: " + first_line(str(bins / "kube-controller-manager"),
                                                  "--version"),
         "kube-scheduler: " + first_line(str(bins / "kube-scheduler"), "--version"),
         "kubelet: " + first_line(str(bins / "kubelet"), "--version"),
-        "containerd: " + first_line("containerd", "--version"),
-        "runc: " + first_line("runc", "--version"),
+        "containerd: " + first_line(str(bins / "containerd"), "--version"),
+        "runc: " + first_line(str(bins / "runc"), "--version"),
         "podman: " + first_line("podman", "--version"),
-        # Debian's build of the CNI plugins reports "version unknown": ask dpkg.
-        "CNI plugins: " + first_line("dpkg-query", "-W", "containernetworking-plugins"),
+        "CNI plugins: " + first_line(str(bins / "cni" / "bridge"), "--version"),
         f"kubectl: {kubectl_path[0]} (1.{kubectl_path[1]})",
         f"kernel: {platform.release()}",
     )

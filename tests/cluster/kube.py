@@ -28,10 +28,9 @@ INSTALLER_DS = "fuse-profile-installer"
 PLUGIN_SELECTOR = "app.kubernetes.io/component=device-plugin"
 INSTALLER_SELECTOR = "app.kubernetes.io/component=profile-installer"
 EVIDENCE = LOGDIR / "evidence.txt"
-# kubectl >= 1.22 validates against the server's OpenAPI, and the 1.20 server's has no
-# securityContext.appArmorProfile (1.30): without this kubectl refuses the manifests, and
-# the server then drops the field (test_old_server_drops_apparmor_profile shows which).
-APPLY = ("apply", "--validate=false")
+# `kubectl apply` as the README says it; the 1.37 server validates every field, the 1.30
+# securityContext.appArmorProfile included.
+APPLY = ("apply",)
 # The plugin's environment twin of --slots (README, `serve` flags).
 SLOTS_ENV = "FUSE_DEVICE_PLUGIN_SLOTS"
 
@@ -97,7 +96,8 @@ def manifests_overlay(tmp: Path, image: str) -> Path:
 def example_overlay(tmp: Path, example: str, image_name: str, image: str,
                     patches: list[dict[str, Any]]) -> Path:
     """One example file with its namespace, its tool image named and the placeholders
-    replaced by strategic-merge patches, as the example's comments tell users."""
+    replaced by strategic-merge patches, as the example's comments tell users; and, as
+    they tell users of nodes without AppArmor (this one), `appArmorProfile` removed."""
     dst = tmp / Path(example).stem
     dst.mkdir(parents=True)
     for f in ["namespace.yaml", example]:
@@ -109,9 +109,30 @@ def example_overlay(tmp: Path, example: str, image_name: str, image: str,
         "namespace": EXAMPLES_NS,
         "resources": ["namespace.yaml", example],
         "images": [{"name": image_name, "newName": name, "newTag": tag}],
-        "patches": [{"patch": json.dumps(p)} for p in patches],
+        "patches": [{"patch": json.dumps(p)} for p in patches] + without_apparmor(example),
     })
     return dst
+
+
+def without_apparmor(example: str) -> list[dict[str, Any]]:
+    """kustomize JSON patches that remove every container's `appArmorProfile` from the
+    example's objects: the README's instruction for nodes without AppArmor, where the
+    kubelet refuses a pod that asks for a profile it cannot enforce."""
+    out = []
+    for doc in yaml.safe_load_all((EXAMPLES / example).read_text()):
+        if not doc:
+            continue
+        spec, prefix = doc.get("spec", {}), "/spec"
+        if "template" in spec:
+            spec, prefix = spec["template"]["spec"], "/spec/template/spec"
+        ops = [{"op": "remove", "path": f"{prefix}/{kind}/{i}/securityContext/appArmorProfile"}
+               for kind in ("initContainers", "containers")
+               for i, c in enumerate(spec.get(kind, []))
+               if "appArmorProfile" in (c.get("securityContext") or {})]
+        if ops:
+            out.append({"target": {"kind": doc["kind"], "name": doc["metadata"]["name"]},
+                        "patch": json.dumps(ops)})
+    return out
 
 
 def example_doc(example: str, kind: str) -> dict[str, Any]:

@@ -60,8 +60,8 @@ def kube_node(udev_fuse: None) -> Iterator[Any]:
         "setup",
         [
             f"setup.sh took {setup_s:.0f}s; kubelet {node.kubelet_bin}: {version}",
-            "containerd: " + command_output("containerd", "--version"),
-            "runc: " + command_output("runc", "--version"),
+            "containerd: " + command_output(str(node.bins / "containerd"), "--version"),
+            "runc: " + command_output(str(node.bins / "runc"), "--version"),
         ],
     )
     try:

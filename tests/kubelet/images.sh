@@ -1,22 +1,21 @@
 #!/bin/bash
 # Build the e2e images as OCI tarballs from host files (no registry is reachable):
-#   - pause: a static binary compiled from the kubernetes tree's build/pause/linux/pause.c
+#   - pause: a static binary compiled from Kubernetes' build/pause/linux/pause.c (the
+#     k8s.io/kubernetes module's copy, which tests/stack/build.sh keeps)
 #   - workload: static busybox + sshfs, ssh, fusermount3 and the libraries they need
-# Usage: images.sh KUBELET_CACHE_DIR   (the dir holding src/kubernetes-*/)
+# Usage: images.sh PAUSE_C
 # Writes $FDP_CACHE/images/{pause,workload}.tar and images.env (PAUSE_IMAGE=, WORKLOAD_IMAGE=).
 # Cached: rebuilt only when an input changes (the tag is the layer digest).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-KDIR="$1"
+pause_c="$1"
 FDP_CACHE="${FDP_CACHE:-/var/cache/fuse-device-plugin}"
 OUT="$FDP_CACHE/images"
 mkdir -p "$OUT"
 
-src="$(find "$KDIR/src" -maxdepth 1 -mindepth 1 -type d -name 'kubernetes-*' | head -1)"
-pause_c="$src/build/pause/linux/pause.c"
 [ -f "$pause_c" ] || { echo "missing $pause_c (run setup.sh kubelet first)" >&2; exit 1; }
 if [ ! -x "$OUT/pause" ] || [ "$pause_c" -nt "$OUT/pause" ]; then
-    gcc -Os -Wall -Werror -static -DVERSION="fdp-e2e-$(basename "$src")" -o "$OUT/pause.tmp" "$pause_c"
+    gcc -Os -Wall -Werror -static -DVERSION="fdp-e2e-$(basename "$(dirname "$pause_c")")" -o "$OUT/pause.tmp" "$pause_c"
     strip "$OUT/pause.tmp"
     mv "$OUT/pause.tmp" "$OUT/pause"
 fi

@@ -43,8 +43,8 @@ STATE = Path(os.environ.get("FDP_E2E_STATE", "/run/fuse-device-plugin-e2e"))
 DATA = Path(os.environ.get("FDP_E2E_DATA", "/var/lib/fuse-device-plugin-e2e"))
 LOGDIR = Path(os.environ.get("FDP_E2E_LOGDIR", "/var/log/fuse-device-plugin-e2e"))
 CACHE = Path(os.environ.get("FDP_CACHE", "/var/cache/fuse-device-plugin"))
-# kubelet 1.20 hard-codes /var/lib/kubelet/device-plugins/kubelet.sock, so the
-# kubelet root must be /var/lib/kubelet.
+# The kubelet hard-codes /var/lib/kubelet/device-plugins/kubelet.sock (and the DRA plugin
+# registry under the same root), so the kubelet root must be /var/lib/kubelet.
 KUBELET_ROOT = Path("/var/lib/kubelet")
 DEVICE_PLUGIN_DIR = KUBELET_ROOT / "device-plugins"
 SECCOMP_ROOT = KUBELET_ROOT / "seccomp"
@@ -102,7 +102,9 @@ class Node:
 
     ``state``, ``data`` and ``logdir`` default to this stage's; tests/cluster passes its
     own, so the two stages never share a containerd. They do share the kubelet's root
-    (/var/lib/kubelet, hard-coded by kubelet 1.20 for device plugins) and so one lock."""
+    (/var/lib/kubelet, hard-coded by the kubelet for device plugins) and so one lock.
+    Every binary (kubelet, containerd and its shim, ctr, runc) comes from ``bins``, the
+    stack tests/stack/build.sh built."""
 
     # teardown order: consumers before what they consume
     stop_order: tuple[str, ...] = tuple(STOP_ORDER)
@@ -118,10 +120,12 @@ class Node:
         logdir: Path = LOGDIR,
     ) -> None:
         self.state, self.data, self.logdir = state, data, logdir
+        self.bins = stack_bin()
         self.containerd_sock = state / "containerd" / "containerd.sock"
         self.manifests = state / "manifests"
         self.pids = state / "pids"
-        self.kubelet_bin = kubelet_bin or find_kubelet()
+        self.kubelet_bin = kubelet_bin or Path(os.environ.get("FDP_KUBELET") or
+                                               self.bins / "kubelet")
         self.plugin_bin = plugin_bin or find_plugin()
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.images = read_images_env()
@@ -220,7 +224,8 @@ class Node:
     # ---- containerd
     def ctr(self, *args: str, check: bool = True, timeout: float = 120) -> str:
         r = subprocess.run(
-            ["ctr", "--address", str(self.containerd_sock), "--namespace", "k8s.io", *args],
+            [str(self.bins / "ctr"), "--address", str(self.containerd_sock), "--namespace",
+             "k8s.io", *args],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -254,13 +259,17 @@ class Node:
             PAUSE_IMAGE=self.images["PAUSE_IMAGE"],
             CNI_BIN_DIR=str(cni_bin),
             CNI_CONF_DIR=str(cni_conf),
+            RUNC=str(self.bins / "runc"),
         )
-        self.spawn("containerd", ["containerd", "--config", str(cfg)])
+        # containerd finds containerd-shim-runc-v2 on its PATH.
+        self.spawn("containerd", [str(self.bins / "containerd"), "--config", str(cfg)],
+                   env={**os.environ, "PATH": f"{self.bins}:{os.environ.get('PATH', '')}"})
         wait_for(
             lambda: (
                 self.alive("containerd")
                 and subprocess.run(
-                    ["ctr", "--address", str(self.containerd_sock), "version"],
+                    [str(self.bins / "ctr"), "--address", str(self.containerd_sock),
+                     "version"],
                     capture_output=True,
                     check=False,
                 ).returncode
@@ -298,13 +307,9 @@ class Node:
         return [
             str(self.kubelet_bin),
             f"--config={cfg}",
-            "--container-runtime=remote",
             f"--container-runtime-endpoint={sock}",
-            f"--image-service-endpoint={sock}",
             f"--root-dir={KUBELET_ROOT}",
             f"--hostname-override={self.node_name}",
-            f"--pod-infra-container-image={self.images['PAUSE_IMAGE']}",
-            f"--seccomp-profile-root={SECCOMP_ROOT}",
             "--v=2",
         ]
 
@@ -534,12 +539,10 @@ def skip_reason(stage: str) -> str | None:
     return None
 
 
-def find_kubelet() -> Path:
-    env = os.environ.get("FDP_KUBELET")
-    if env:
-        return Path(env)
+def stack_bin() -> Path:
+    """The directory of the stack's binaries (tests/stack/build.sh); nothing is built."""
     r = subprocess.run(
-        [str(HERE / "setup.sh"), "path"], capture_output=True, text=True, check=False
+        [str(HERE / "setup.sh"), "dir"], capture_output=True, text=True, check=False
     )
     return Path(r.stdout.strip())
 

@@ -170,9 +170,9 @@ def wait_registered(node: Any, since: int, when: str) -> list[str]:
     """The kubelet's own log: registration accepted and the device list pushed; then the
     registration must stay up."""
     reg = re.compile(
-        r'Got registration request from device plugin with resource name "github.com/fuse"'
+        r'Got registration request from device plugin with resource" resourceName="github.com/fuse"'
     )
-    push = re.compile(r"State pushed for device plugin github.com/fuse")
+    push = re.compile(r'State pushed for device plugin" resource="github.com/fuse"')
 
     def seen() -> tuple[list[str], int] | None:
         text = nodemod.read_log(KUBELET_LOG, since)
@@ -212,13 +212,13 @@ def assert_registration_stable(after_line: str, since: int, when: str) -> None:
     while time.monotonic() < deadline:
         churn = kubelet_lines(
             since,
-            r"listAndWatch ended unexpectedly for device plugin github.com/fuse",
-            r'Got registration request from device plugin with resource name "github.com/fuse"',
+            r'ListAndWatch ended unexpectedly for device plugin" resource="github.com/fuse"',
+            r'Got registration request from device plugin with resource" resourceName="github.com/fuse"',
         )
         if churn:
             churn = kubelet_lines(
                 since,
-                r"ended unexpectedly for device plugin github.com/fuse",
+                r'ended unexpectedly for device plugin" resource="github.com/fuse"',
                 r"Got registration request .*github.com/fuse",
                 r"Mark all resources Unhealthy",
             )

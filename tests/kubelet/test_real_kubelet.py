@@ -1,11 +1,10 @@
-"""The real kubelet (issue 6): a standalone kubelet built from Debian bookworm's
-`kubernetes` source (1.20.2), Debian's containerd 1.6 and runc start static pods
-that use our device plugin.
+"""The real kubelet: a standalone kubelet 1.37, containerd 2.3 and runc 1.4, built from
+their Go modules by tests/stack/build.sh, start static pods that use our device plugin.
 
 Everything is asserted from the kubelet's own reports: pod status from its
 read-only port (``/pods``), its log (``--v=2``) and the container logs it keeps
 under /var/log/pods.  Standalone, the kubelet has no API server to publish its
-node object to; it logs ``Update capacity for github.com/fuse to N`` whenever it
+node object to; it logs ``Updated capacity for device plugin`` whenever it
 rebuilds the node for admission, and admits or refuses pods against it.
 
 Setup (packages, the cached kubelet build, images) is tests/kubelet/setup.sh;
@@ -41,6 +40,9 @@ from tests.kubelet.static_pods import (
     pods,
     wait_registered,
 )
+
+# The kubelet's line when the Node's capacity of our resource changes (1.37's wording).
+CAPACITY = r'Updated capacity for device plugin" plugin="github.com/fuse" capacity=\d+'
 
 
 def plugin_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -142,12 +144,12 @@ def test_node_advertises_slots(kube_node: Any) -> None:
     ) as runs:
         run = runs["all-slots"]
         run.expect("Succeeded")
-        cap = kubelet_lines(run.since, r"Update capacity for github.com/fuse to \d+")
+        cap = kubelet_lines(run.since, CAPACITY)
         assert cap, (
-            f"expected the kubelet to log 'Update capacity for {RESOURCE} to {SLOTS}'\n"
+            f"expected the kubelet to log 'Updated capacity for device plugin' {RESOURCE}={SLOTS}\n"
             + run.report()
         )
-        values = {int(ln.rsplit(" ", 1)[1]) for ln in cap}
+        values = {int(ln.rsplit("capacity=", 1)[1]) for ln in cap}
         assert values == {SLOTS}, f"expected capacity {SLOTS}, the kubelet logged:\n" + "\n".join(
             cap
         )
@@ -387,9 +389,9 @@ def test_kubelet_restart_plugin_reregisters(kube_node: Any) -> None:
         run = runs["afterrestart"]
         run.expect("Succeeded")
         assert "/dev/fuse" in run.log(), f"expected /dev/fuse in the pod\n{run.report()}"
-        cap = kubelet_lines(run.since, r"Update capacity for github.com/fuse to \d+")
-        assert cap, f"expected 'Update capacity for {RESOURCE}' after the restart\n{run.report()}"
-        assert cap[-1].endswith(f" {SLOTS}"), (
+        cap = kubelet_lines(run.since, CAPACITY)
+        assert cap, f"expected 'Updated capacity for device plugin' {RESOURCE} after the restart\n{run.report()}"
+        assert cap[-1].endswith(f"capacity={SLOTS}"), (
             f"expected capacity {SLOTS} after the restart, the kubelet logged: {cap}"
         )
         evidence("kubelet-restart",
@@ -412,7 +414,7 @@ def test_plugin_sigkill_and_restart(kube_node: Any) -> None:
     # The kubelet sees the plugin gone.
     gone = nodemod.wait_for(
         lambda: kubelet_lines(
-            since, r"listAndWatch ended unexpectedly for device plugin github.com/fuse"
+            since, r'ListAndWatch ended unexpectedly for device plugin" resource="github.com/fuse"'
         ),
         30,
         "the kubelet to notice the killed plugin",

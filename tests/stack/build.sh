@@ -4,7 +4,7 @@
 # tests/stack/versions.env:
 #
 #   Kubernetes (kubelet, kube-apiserver, kube-controller-manager, kube-scheduler),
-#   etcd, containerd + containerd-shim-runc-v2, runc (cgo, libseccomp), the CNI plugins
+#   etcd, containerd + containerd-shim-runc-v2 + ctr, runc (cgo, libseccomp), the CNI plugins
 #   bridge, host-local and loopback, and the pause image's pause.c.
 #
 #   tests/stack/build.sh          build what is missing (idempotent, quick when cached)
@@ -118,6 +118,7 @@ containerd() {
         -ldflags "-s -w -X $m/version.Version=$CONTAINERD -X $m/version.Revision=module"
     CGO_ENABLED=0 build containerd-shim-runc-v2 "$dir" "$m/cmd/containerd-shim-runc-v2" \
         -ldflags "-s -w -X $m/version.Version=$CONTAINERD"
+    CGO_ENABLED=0 build ctr "$dir" "$m/cmd/ctr" -ldflags "-s -w -X $m/version.Version=$CONTAINERD"
 }
 
 runc() {
