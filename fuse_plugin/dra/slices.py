@@ -50,9 +50,22 @@ class ApiFailure(Exception):
     """An API call failed; the message says which and why, in one line."""
 
 
+_SUFFIXES = ("", "k", "M", "G", "T", "P", "E")
+
+
+def quantity(count: int) -> str:
+    """``count`` as the API server writes a quantity back (canonical decimal SI: 1000 is
+    "1k", 1500 stays "1500"), so a slice read back compares equal to the one written."""
+    exponent = 0
+    while count and count % 1000 == 0 and exponent < len(_SUFFIXES) - 1:
+        count //= 1000
+        exponent += 1
+    return f"{count}{_SUFFIXES[exponent]}"
+
+
 def shared_devices(slots: int) -> list[dict[str, Any]]:
     return [{"name": "fuse", "allowMultipleAllocations": True,
-             "capacity": {CAPACITY: {"value": str(slots), "requestPolicy": {
+             "capacity": {CAPACITY: {"value": quantity(slots), "requestPolicy": {
                  "default": "1", "validValues": ["1"]}}}}]
 
 

@@ -101,7 +101,11 @@ class FakeApiServer:
         self._cond.notify_all()
 
     def _drop(self, body: dict[str, Any]) -> None:
+        """What the real server does to a slice it stores: quantities in canonical form
+        ("1000" is stored and returned as "1k"), fields of disabled features dropped."""
         for device in (body.get("spec") or {}).get("devices") or []:
+            for capacity in (device.get("capacity") or {}).values():
+                capacity["value"] = _canonical(capacity["value"])
             for field in self.drop_fields:
                 device.pop(field, None)
             if "allowMultipleAllocations" in self.drop_fields:
@@ -239,6 +243,17 @@ class FakeApiServer:
         self.slices[name] = stored
         self._record("update", name, stored)
         return copy.deepcopy(stored)
+
+
+def _canonical(text: str) -> str:
+    """A whole-number decimal quantity as the API server serializes it."""
+    if not text.isdigit():
+        return text
+    number, suffixes = int(text), ["", "k", "M", "G", "T", "P", "E"]
+    while number and number % 1000 == 0 and len(suffixes) > 1:
+        number //= 1000
+        suffixes.pop(0)
+    return f"{number}{suffixes[0]}"
 
 
 def _kind(method: str, path: str) -> str:

@@ -9,6 +9,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
 from fuse_plugin.dra.settings import DRIVER_NAME
@@ -53,6 +54,10 @@ def test_published_at_start_with_one_shared_device_owned_by_the_node(
             "default": "1", "validValues": ["1"]}}}}]
     # Left in place at shutdown: a restarting driver keeps its pool.
     assert [verb for verb, _, _ in api.writes] == ["create"]
+    written = {key: value for key, value in published.items()}
+    written["metadata"] = {"name": published["metadata"]["name"],
+                           "ownerReferences": published["metadata"]["ownerReferences"]}
+    kubernetes_validate.validate(written, kubernetes_validate.latest_version(), strict=True)
 
 
 def test_device_gone_empties_the_slice_and_back_restores_it(api: FakeApiServer) -> None:
@@ -87,13 +92,15 @@ def test_device_node_removed_on_disk_updates_the_slice(api: FakeApiServer) -> No
         assert device_names(api) == []
 
 
-def test_restart_with_nothing_changed_writes_nothing(api: FakeApiServer) -> None:
+@pytest.mark.parametrize("slots", [1000, 1500, 100_000])
+def test_restart_with_nothing_changed_writes_nothing(api: FakeApiServer, slots: int) -> None:
+    """Also when the server writes the capacity back in another form ("1k")."""
     api.add_node(NODE)
     root = short_dir()
-    with running_driver(api, root=root):
+    with running_driver(api, root=root, slots=slots):
         pass
     writes = len(api.writes)
-    with running_driver(api, root=root) as rig:
+    with running_driver(api, root=root, slots=slots) as rig:
         assert rig.driver.publisher is not None
         assert rig.driver.publisher.published is not None
         assert rig.driver.publisher.sync()
