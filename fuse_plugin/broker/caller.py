@@ -18,7 +18,7 @@ import socket
 import struct
 from dataclasses import dataclass, field
 
-from fuse_plugin.broker import policy
+from fuse_plugin.broker import frames, policy
 
 SO_PEERPIDFD = 77  # asm-generic value (x86, arm); Linux 6.5+
 _OWN_USERNS = os.stat("/proc/self/ns/user").st_ino
@@ -64,6 +64,15 @@ class Caller:
             raise policy.Refused(f"cannot read the caller's namespaces: {err.strerror} "
                                  "(the broker needs CAP_SYS_PTRACE and host PID)",
                                  "caller") from None
+        except OSError as err:
+            if policy.out_of_resources(err):
+                raise policy.OutOfResources(f"reading /proc/{self.pid}", err) from None
+            raise
+        if len(self.groups) > frames.MAX_GROUPS:
+            raise policy.Refused(f"the caller has {len(self.groups)} supplementary groups; "
+                                 f"the broker checks as the caller with all of them, up to "
+                                 f"{frames.MAX_GROUPS}, and refuses rather than check with "
+                                 "fewer", "caller")
         if not self.alive():
             raise policy.Refused(f"the calling process {self.pid} has exited", "caller")
         policy.caller(root, maps_node_root)
@@ -102,6 +111,8 @@ def identify(conn: socket.socket) -> Caller:
     try:
         pidfd = conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
     except OSError as err:
+        if policy.out_of_resources(err):
+            raise policy.OutOfResources("the caller's pidfd", err) from None
         if err.errno != errno.ENOPROTOOPT:  # ESRCH: the peer has exited
             raise policy.Refused(f"the calling process {pid} has exited", "caller") from None
         try:  # before Linux 6.5: the pid, taken as early as possible
@@ -109,12 +120,18 @@ def identify(conn: socket.socket) -> Caller:
         except ProcessLookupError:
             raise policy.Refused(f"the calling process {pid} has exited",
                                  "caller") from None
+        except OSError as err:
+            if policy.out_of_resources(err):
+                raise policy.OutOfResources("the caller's pidfd", err) from None
+            raise
     os.set_inheritable(pidfd, False)
     caller = Caller(pid=pid, uid=uid, gid=gid, pidfd=pidfd, container="")
     try:
         caller.container = _cgroup(pid)
-    except OSError:
+    except OSError as err:
         caller.close()
+        if policy.out_of_resources(err):
+            raise policy.OutOfResources(f"reading /proc/{pid}/cgroup", err) from None
         raise policy.Refused(f"the calling process {pid} has exited", "caller") from None
     if not caller.alive():
         caller.close()

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fuse_plugin.broker import policy, protocol
+from fuse_plugin.broker import frames, policy, protocol
 from fuse_plugin.broker.caller import Caller
 
 NAME = "fuse-broker-helper"
@@ -46,10 +46,19 @@ class Job:
     aborted: bool = False
 
     @classmethod
-    def start(cls, program: Path, caller: Caller, request: protocol.Request, check: bool,
+    def start(cls, program: Path, caller: Caller, request: protocol.Request,
               deadline: float) -> Job:
-        """Spawn the helper for ``request`` and send it; ``OSError`` if it cannot run."""
+        """Spawn the helper for ``request`` and send it. ``frames.FrameError`` if the
+        request cannot be said whole (refused, never cut); ``OSError`` if it cannot run,
+        with nothing left behind (no process, no descriptor)."""
+        fields: dict[str, str | int | tuple[int, ...]] = {
+            "op": request.op, "path": request.path, "uid": caller.uid, "gid": caller.gid,
+            "groups": caller.groups}
+        if request.op == "mount":
+            fields["fuse_fd"] = request.fuse_fd
+        message = frames.encode(frames.REQUEST, fields)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        proc: subprocess.Popen[bytes] | None = None
         try:
             fds = [theirs.fileno(), caller.pidfd, caller.mnt_ns]
             if caller.user_ns != -1:
@@ -57,28 +66,39 @@ class Job:
             proc = subprocess.Popen([str(program), *map(str, fds)], pass_fds=fds, env={},
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL)
+            theirs.close()
+            pidfd = os.pidfd_open(proc.pid)  # not reaped yet, so it is this process
         except BaseException:
             ours.close()
-            raise
-        finally:
             theirs.close()
-        pidfd = os.pidfd_open(proc.pid)  # not reaped yet, so it is this process
+            if proc is not None:  # started, but the loop could not watch it: gone now
+                proc.kill()
+                proc.wait()
+            raise
         ours.setblocking(False)
         job = cls(proc, ours, pidfd, deadline)
-        job.send(op=request.op, path=request.path, fuse_fd=request.fuse_fd,
-                 uid=caller.uid, gid=caller.gid,
-                 groups=",".join(map(str, caller.groups)), check=int(check),
-                 nowalk=",".join(policy.NO_WALK))
+        try:
+            # A datagram is sent whole or not at all; the buffer is sized for the
+            # largest frame (the kernel caps it at net.core.wmem_max: EMSGSIZE then).
+            ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, frames.MAX_FRAME)
+            ours.send(message)
+        except OSError:
+            job.kill()
+            proc.wait()
+            job.close()
+            raise
         return job
 
     def send(self, **fields: object) -> None:
+        """An answer to the helper (go, the verdict)."""
+        message = frames.encode(frames.ANSWER, {k: str(v) for k, v in fields.items()})
         with contextlib.suppress(OSError):  # a helper that died is seen on its pidfd
-            self.ctl.send(protocol.encode(**fields))
+            self.ctl.send(message)
 
     def receive(self) -> dict[str, str] | None:
         """The helper's next message; None when it has nothing to say now."""
         try:
-            data = self.ctl.recv(protocol.MAX_MESSAGE)
+            data = self.ctl.recv(frames.MAX_FRAME + 1)
         except BlockingIOError:
             return None
         except OSError:
@@ -86,8 +106,8 @@ class Job:
         if not data:
             return {"status": "exited"}
         try:
-            return protocol.decode(data)
-        except protocol.BadRequest as bad:
+            return frames.decode(data, frames.REPORT)
+        except frames.FrameError as bad:
             return {"status": "failed", "message": f"the helper said nonsense ({bad})"}
 
     def kill(self) -> None:

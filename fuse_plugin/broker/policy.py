@@ -37,6 +37,7 @@ Why the rules are what they are:
 
 from __future__ import annotations
 
+import errno
 import re
 import stat
 from collections.abc import Iterable
@@ -89,6 +90,26 @@ class Refused(Exception):
     def __init__(self, message: str, kind: str = "request") -> None:
         super().__init__(message)
         self.kind = kind
+
+
+# The errors of a broker short of descriptors or memory for a moment: the request is
+# refused as "busy" and accepting pauses; the broker never exits on them.
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
+class OutOfResources(Refused):
+    """The broker itself is short of descriptors or memory: this request is refused as
+    "busy" and the loop stops accepting for a moment."""
+
+    def __init__(self, what: str, err: OSError) -> None:
+        super().__init__(f"the broker is short of resources ({what}: "
+                         f"{err.strerror or err}); try again", "busy")
+        self.error = err
+
+
+def out_of_resources(err: BaseException) -> bool:
+    """Whether an error is the broker's own shortage (``RESOURCE_ERRNOS``)."""
+    return isinstance(err, OSError) and err.errno in RESOURCE_ERRNOS
 
 
 @dataclass(frozen=True)

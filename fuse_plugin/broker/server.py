@@ -34,13 +34,15 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fuse_plugin import args as types
 from fuse_plugin import files, logs, sockets
 from fuse_plugin.broker import caller as callers
-from fuse_plugin.broker import mountinfo, policy, protocol, records
+from fuse_plugin.broker import frames, mountinfo, policy, protocol, records
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
 from fuse_plugin.broker.helper import HelperFailed, Job, outcome
 from fuse_plugin.broker.stats import BrokerStats
@@ -56,6 +58,9 @@ DEFAULT_MAX_MOUNTS_NODE = 1000
 # uses its own share) and for the node (the broker's fds).
 PER_CONTAINER = 4
 MAX_CONNECTIONS = 256
+# Helper processes alive at once on the node, killed ones that have not exited included
+# (each holds descriptors and memory until it exits); a container has at most one.
+MAX_HELPERS = 64
 REQUEST_DEADLINE = 5.0  # seconds from accept to a complete request
 HELPER_DEADLINE = 5.0  # seconds a helper may take; then it is killed
 KILL_GRACE = 2.0  # a killed helper still alive after this is stuck on a FUSE daemon
@@ -139,6 +144,7 @@ class _Work:
     job: Job | None = None
     started: float = field(default_factory=time.perf_counter)
     fields: dict[str, object] = field(default_factory=dict)
+    answered: bool = False
 
     @property
     def container(self) -> str:
@@ -148,6 +154,14 @@ class _Work:
     def request(self) -> protocol.Request:
         assert self.parsed is not None, "only parsed requests reach a helper"
         return self.parsed
+
+
+@dataclass(eq=False)
+class _Gone:
+    """A released helper, killed, until its pidfd says it has exited."""
+
+    container: str
+    job: Job
 
 
 class Broker:
@@ -180,7 +194,7 @@ class Broker:
         self._waiting: dict[int, _Work] = {}  # by socket fd: no complete request yet
         self._queued: dict[str, collections.deque[_Work]] = {}  # by container
         self._running: dict[str, _Work] = {}  # by container: its helper is at work
-        self._stuck: list[tuple[str, Job]] = []  # killed helpers not dead yet
+        self._stuck: list[_Gone] = []  # released (killed) helpers not exited yet
 
     # -- start and stop ------------------------------------------------------------------
 
@@ -281,8 +295,8 @@ class Broker:
             if work.job is not None:
                 work.job.kill()
             self._fail(work, HelperFailed("the broker is stopping"))
-        for _, job in self._stuck:
-            job.close()
+        for gone in self._stuck:
+            gone.job.close()
         if self._signals_wake and threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(-1)
         self._selector.close()
@@ -307,18 +321,51 @@ class Broker:
             deadlines.append(self._paused_until)
         timeout = max(0.0, min([now + longest, *deadlines]) - now)
         for key, _ in self._selector.select(timeout):
-            data = key.data
-            if data == "listen":
-                self._accept()
-            elif data == "wake":
-                with contextlib.suppress(BlockingIOError):
-                    self._wake_r.recv(512)
-            elif isinstance(data, _Work):
-                self._receive(data)
-            else:
-                kind, work = data
-                (self._hear if kind == "ctl" else self._exited)(work)
-        self._expire(time.monotonic())
+            self._survive(self._dispatch, key.data)
+        self._survive(self._expire, time.monotonic())
+
+    def _dispatch(self, data: object) -> None:
+        if data == "listen":
+            self._accept()
+        elif data == "wake":
+            with contextlib.suppress(BlockingIOError):
+                self._wake_r.recv(512)
+        elif isinstance(data, _Work):
+            self._receive(data)
+        elif isinstance(data, _Gone):
+            self._gone(data)
+        elif isinstance(data, tuple):
+            kind, work = data
+            (self._hear if kind == "ctl" else self._exited)(work)
+
+    def _survive(self, step: Callable[[Any], None], arg: object) -> None:
+        """Run one step of the loop; the broker's own shortage of descriptors or memory
+        anywhere in it (EMFILE, ENFILE, ENOMEM, ENOBUFS) pauses accepting and answers
+        the request at hand "busy" instead of ending the broker (issue 26: a traceback
+        on /proc/N/status at the fd limit). Any other error is a bug and still ends it."""
+        try:
+            step(arg)
+        except OSError as err:
+            if not policy.out_of_resources(err):
+                raise
+            self._pause(err)
+            work = arg if isinstance(arg, _Work) else (
+                arg[1] if isinstance(arg, tuple) and isinstance(arg[1], _Work) else None)
+            if work is not None:
+                self._abandon(work, policy.OutOfResources("serving the request", err))
+
+    def _abandon(self, work: _Work, refused: policy.Refused) -> None:
+        """Answer a request that a shortage interrupted, wherever it was."""
+        if self._waiting.get(work.sock.fileno()) is work:
+            self._unwait(work)
+        for queue in self._queued.values():
+            if work in queue:
+                queue.remove(work)
+        if work.job is not None and work.job.ctl.fileno() != -1:
+            work.job.send(go=0)
+        if not work.answered:
+            self._refuse(work, refused)
+        self._release(work)
 
     def _accept(self) -> None:
         assert self._listener is not None
@@ -336,6 +383,9 @@ class Broker:
             try:
                 who = callers.identify(sock)
                 refused = self._over_limit(who.container)
+            except policy.OutOfResources as refusal:
+                self._pause(refusal.error)
+                refused = refusal
             except policy.Refused as refusal:
                 refused = refusal
             except OSError as err:
@@ -407,6 +457,8 @@ class Broker:
         try:
             self._prepare(work, data)
         except policy.Refused as refused:
+            if isinstance(refused, policy.OutOfResources):
+                self._pause(refused.error)
             self._refuse(work, refused)
             return
         self._queued.setdefault(work.container, collections.deque()).append(work)
@@ -450,23 +502,58 @@ class Broker:
         work.fields["namespace"] = who.namespace
 
     def _next(self, container: str) -> None:
-        """Start the container's next request unless one of its helpers is at work."""
+        """Start the container's next request once none of its helpers is alive (a
+        killed one that has not exited included: it still holds what it took)."""
         queue = self._queued.get(container)
-        while queue and container not in self._running:
+        while queue and not self._helper_alive(container):
             work = queue.popleft()
+            refused = self._helpers_full()
+            if refused is not None:
+                self._refuse(work, refused)
+                continue
             try:
                 work.job = Job.start(self.helper, work.caller, work.request,
-                                     not work.caller.node_root,
                                      time.monotonic() + HELPER_DEADLINE)
+            except frames.FrameError as err:
+                self._refuse(work, policy.Refused(
+                    f"the request cannot be handed to the helper whole ({err}); it is "
+                    "refused rather than cut", "request"))
+                continue
             except OSError as err:
-                self._fail(work, HelperFailed(f"cannot start {HELPER_NAME}: "
-                                              f"{err.strerror or err}"))
+                if policy.out_of_resources(err):
+                    self._pause(err)
+                    self._refuse(work, policy.OutOfResources(f"starting {HELPER_NAME}", err))
+                else:
+                    self._fail(work, HelperFailed(f"cannot start {HELPER_NAME}: "
+                                                  f"{err.strerror or err}"))
                 continue
             self._running[container] = work
             self._selector.register(work.job.ctl, selectors.EVENT_READ, ("ctl", work))
             self._selector.register(work.job.pidfd, selectors.EVENT_READ, ("exit", work))
+        if queue and self._blocked(container, time.monotonic()):
+            blocked = policy.Refused(
+                "this container's last helper is blocked in the kernel (on a FUSE "
+                "daemon) and has not exited; try again", "busy")
+            while queue:
+                self._refuse(queue.popleft(), blocked)
         if queue is not None and not queue:
             del self._queued[container]
+
+    def _helper_alive(self, container: str) -> bool:
+        return container in self._running or any(g.container == container
+                                                  for g in self._stuck)
+
+    def _blocked(self, container: str, now: float) -> bool:
+        """A killed helper of this container still alive after the grace: stuck."""
+        return any(g.container == container and g.job.killed_at is not None
+                   and now - g.job.killed_at >= KILL_GRACE for g in self._stuck)
+
+    def _helpers_full(self) -> policy.Refused | None:
+        alive = len(self._running) + len(self._stuck)
+        if alive >= MAX_HELPERS:
+            return policy.Refused(f"the broker has {alive} helpers alive, the most it "
+                                  "runs at once; try again", "busy")
+        return None
 
     def _hear(self, work: _Work) -> None:
         job = work.job
@@ -536,7 +623,13 @@ class Broker:
         # After the reply, but before this loop reads anything else: the caller's next
         # request already finds the record.
         if record is not None:
-            self.records.add(record)
+            try:
+                self.records.add(record)
+            except OSError as err:  # counted in memory; only the file is missing
+                if policy.out_of_resources(err):
+                    self._pause(err)
+                logs.event(self.log, "broker.record_unsaved", logging.ERROR,
+                           connection=record.connection, reason=err.strerror or str(err))
             self.mounts_held = self.records.by_container()
         self._release(work)
 
@@ -569,9 +662,11 @@ class Broker:
                     self._selector.unregister(fileobj)
             if job.exited():
                 job.close()
-            else:
+            else:  # usually exiting already; its pidfd says when it is gone
                 job.kill()
-                self._stuck.append((work.container, job))
+                gone = _Gone(work.container, job)
+                self._stuck.append(gone)
+                self._selector.register(job.pidfd, selectors.EVENT_READ, gone)
             work.job = None
         if self._running.get(work.container) is work:
             del self._running[work.container]
@@ -600,14 +695,24 @@ class Broker:
             self.records.prune()
             self.mounts_held = self.records.by_container()
 
+    def _gone(self, gone: _Gone) -> None:
+        """A released helper has exited: its container may have the next one."""
+        if gone in self._stuck:
+            self._stuck.remove(gone)
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(gone.job.pidfd)
+            gone.job.close()
+        self._next(gone.container)
+
     def _reap_stuck(self, now: float) -> None:
         """Killed helpers that have not died are blocked in the kernel, which in a
         container means on one of its FUSE daemons: abort the connections the broker made
-        for that container, which frees them, and say so."""
-        for container, job in list(self._stuck):
+        for that container, which frees them, and say so; the container's waiting
+        requests are answered "busy" meanwhile."""
+        for gone in list(self._stuck):
+            job, container = gone.job, gone.container
             if job.exited():
-                job.close()
-                self._stuck.remove((container, job))
+                self._gone(gone)
             elif (not job.aborted and job.killed_at is not None
                   and now - job.killed_at >= KILL_GRACE):
                 job.aborted = True
@@ -616,6 +721,7 @@ class Broker:
                 logs.event(self.log, "broker.aborted", logging.WARNING, cgroup=container,
                            connections=aborted,
                            reason=f"a helper stayed blocked {KILL_GRACE:g}s after SIGKILL")
+                self._next(container)
 
     # -- answers -------------------------------------------------------------------------
 
@@ -637,6 +743,7 @@ class Broker:
         logs.event(self.log, event, level, **work.fields)
 
     def _reply(self, work: _Work, **fields: object) -> None:
+        work.answered = True
         _answer(work.sock, protocol.encode(**fields))
         work.caller.close()
 

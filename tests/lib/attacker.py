@@ -12,6 +12,16 @@ going through the shim. Every command prints one JSON object on stdout.
     attacker.py pin-and-hide N DIR               mount, pin (O_PATH), lazy-unmount, repeat
     attacker.py swap-race DIR ITERATIONS         swap DIR/a (ours) and DIR/b (not) while
                                                  asking to mount on DIR/a
+    attacker.py serve MOUNTPOINT RECORD [--no-flush]
+                                                 mount a FUSE stub (one file in its root)
+                                                 that writes every request's opcode, uid
+                                                 and name to RECORD; --no-flush: FLUSH is
+                                                 never answered; hold until stdin ends
+    attacker.py pass-fd FILE SOCKET              open FILE, and hand it (SCM_RIGHTS) to
+                                                 whoever connects to SOCKET
+    attacker.py ask-with-fd SOCKET N FIELD=VALUE...
+                                                 take an fd from SOCKET, then ask N times
+                                                 naming it as fuse_fd
 
 ``{i}`` in a field is replaced by the request's number. ``--fuse`` opens /dev/fuse and
 names the fd (``fuse_fd=``), as the shim does. Commands that hold something print their
@@ -313,6 +323,104 @@ def cmd_swap_race(args: argparse.Namespace) -> dict[str, Any]:
     return {"outcome": dict(outcome), "swaps": swaps}
 
 
+# -- a FUSE stub (the kernel's wire format, include/uapi/linux/fuse.h) ---------------------
+
+FUSE_LOOKUP, FUSE_FORGET, FUSE_GETATTR, FUSE_OPEN, FUSE_RELEASE = 1, 2, 3, 14, 18
+FUSE_FLUSH, FUSE_INIT, FUSE_INTERRUPT, FUSE_BATCH_FORGET = 25, 26, 36, 42
+IN_HEADER = struct.Struct("=IIQQIIIHH")
+OUT_HEADER = struct.Struct("=IiQ")
+ATTR = struct.Struct("=QQQQQQIIIIIIIIII")
+FILE_NODE = 2
+NO_REPLY = (FUSE_FORGET, FUSE_BATCH_FORGET, FUSE_INTERRUPT)
+
+
+def fuse_attr(node: int) -> bytes:
+    """The root (a directory) or its one file, owned by whoever serves them."""
+    mode = 0o40755 if node == 1 else 0o100644
+    return ATTR.pack(node, 0, 0, 0, 0, 0, 0, 0, 0, mode, 2 if node == 1 else 1,
+                     os.getuid(), os.getgid(), 0, 4096, 0)
+
+
+def fuse_answer(opcode: int, node: int, body: bytes) -> tuple[int, bytes]:
+    """(error, payload) for one request the stub understands; ENOSYS for the rest."""
+    if opcode == FUSE_INIT:
+        (readahead,) = struct.unpack_from("=I", body, 8)
+        return 0, struct.pack("=IIIIHHIIHHII24x", 7, 31, readahead, 0, 16, 12, 65536, 1,
+                              0, 0, 0, 0)
+    if opcode == FUSE_LOOKUP:
+        return 0, struct.pack("=QQQQII", FILE_NODE, 0, 60, 60, 0, 0) + fuse_attr(FILE_NODE)
+    if opcode == FUSE_GETATTR:
+        return 0, struct.pack("=QII", 60, 0, 0) + fuse_attr(node)
+    if opcode == FUSE_OPEN:
+        return 0, struct.pack("=QII", 1, 0, 0)
+    if opcode in (FUSE_FLUSH, FUSE_RELEASE):
+        return 0, b""
+    return -38, b""  # ENOSYS
+
+
+def serve_fuse(fd: int, record: str, never: frozenset[int]) -> None:
+    """Read requests forever: record each, answer what the stub knows (never the
+    opcodes in ``never``)."""
+    with open(record, "a", buffering=1) as log:
+        while True:
+            try:
+                data = os.read(fd, 1 << 20)
+            except OSError:
+                return  # unmounted or aborted
+            _, opcode, unique, node, uid, gid, pid, _, _ = IN_HEADER.unpack_from(data)
+            body = data[IN_HEADER.size:]
+            name = body.split(b"\0", 1)[0].decode(errors="replace") \
+                if opcode == FUSE_LOOKUP else ""
+            log.write(json.dumps({"opcode": opcode, "uid": uid, "gid": gid, "pid": pid,
+                                  "name": name}) + "\n")
+            if opcode in NO_REPLY or opcode in never:
+                continue
+            error, payload = fuse_answer(opcode, node, body)
+            with contextlib.suppress(OSError):
+                os.write(fd, OUT_HEADER.pack(OUT_HEADER.size + len(payload), error, unique)
+                         + payload)
+
+
+def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
+    fd = open_fuse()
+    answer = ask_once([f"v={VERSION}", "op=mount", f"path={args.mountpoint}"], False, fd)
+    if answer["status"] == "ok":
+        never = frozenset({FUSE_FLUSH, FUSE_RELEASE}) if args.no_flush else frozenset()
+        threading.Thread(target=serve_fuse, args=(fd, args.record, never),
+                         daemon=True).start()
+    return answer
+
+
+def cmd_pass_fd(args: argparse.Namespace) -> dict[str, Any]:
+    """Open FILE (a file in a FUSE mount) and give it to every process that connects."""
+    fd = os.open(args.file, os.O_RDWR)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(args.socket)
+    os.chmod(args.socket, 0o777)
+    server.listen(16)
+
+    def give() -> None:
+        while True:
+            conn, _ = server.accept()
+            with conn:
+                socket.send_fds(conn, [b"fd"], [fd])
+
+    threading.Thread(target=give, daemon=True).start()
+    globals()["_keep"] = (server, fd)
+    return {"serving": True, "fd": fd}
+
+
+def cmd_ask_with_fd(args: argparse.Namespace) -> dict[str, Any]:
+    """Take a descriptor someone else opened, and name it as this caller's /dev/fuse."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(args.socket)
+        _, [fd], _, _ = socket.recv_fds(sock, 16, 1)
+    results = [ask_once([f"v={VERSION}", *args.fields], False, fd) for _ in range(args.n)]
+    out = tally(results)
+    out["fd"] = fd
+    return out
+
+
 def mountpoint_of(mount_id: str) -> str:
     with open("/proc/self/mountinfo") as table:
         for line in table:
@@ -356,13 +464,25 @@ def main() -> int:
     race_swap = sub.add_parser("swap-race")
     race_swap.add_argument("dir")
     race_swap.add_argument("iterations", type=int)
+    serve = sub.add_parser("serve")
+    serve.add_argument("mountpoint")
+    serve.add_argument("record")
+    serve.add_argument("--no-flush", action="store_true")
+    pass_fd = sub.add_parser("pass-fd")
+    pass_fd.add_argument("file")
+    pass_fd.add_argument("socket")
+    with_fd = sub.add_parser("ask-with-fd")
+    with_fd.add_argument("socket")
+    with_fd.add_argument("n", type=int)
+    with_fd.add_argument("fields", nargs="+")
     args = parser.parse_args()
     commands = {"ask": cmd_ask, "chroot-ask": cmd_chroot_ask, "chroot-race": cmd_chroot_race,
                 "rename-race": cmd_rename_race, "hold": cmd_hold, "silent": cmd_silent,
                 "descriptors": cmd_descriptors, "pin-and-hide": cmd_pin_and_hide,
-                "swap-race": cmd_swap_race}
+                "swap-race": cmd_swap_race, "serve": cmd_serve, "pass-fd": cmd_pass_fd,
+                "ask-with-fd": cmd_ask_with_fd}
     print(json.dumps(commands[args.command](args)), flush=True)
-    if args.command in ("hold", "silent", "descriptors", "pin-and-hide"):
+    if args.command in ("hold", "silent", "descriptors", "pin-and-hide", "serve", "pass-fd"):
         sys.stdin.read()  # hold until the test closes our stdin
         globals().get("_cleanup", lambda: None)()
     return 0

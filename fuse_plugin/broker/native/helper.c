@@ -9,19 +9,26 @@
  * pidfd of the caller, the caller's mount namespace and, for a caller in a user
  * namespace of its own, that namespace.
  *
- * The conversation (messages of NUL-terminated key=value fields, as protocol.py):
- *   broker: the request   op=mount|unmount path= fuse_fd= uid= gid= groups= check=
- *                         nowalk=  (mount types never to look inside, "fuse." = prefix)
+ * The conversation: framed, typed messages (frames.py has the layout; the receiver
+ * reads each with MSG_TRUNC, so a message longer than its buffer is refused whole, never
+ * cut, and a missing, unknown or repeated field refuses it too):
+ *   broker: REQUEST       op=mount|unmount path= uid= gid= groups=(u32 array) [fuse_fd=]
  *   helper: the mark      the mount at /run/fuse-broker (Allocate's bind), if any
- *   broker:               go=0 (not a broker-mode container) or go=1
+ *   broker: ANSWER        go=0 (not a broker-mode container) or go=1
  *   helper: the facts     what the kernel says about the target, or a refusal
- *   broker: the verdict   go=0, or go=1 with the mount's parameters
+ *   broker: ANSWER        go=0, or go=1 with the mount's parameters
  *   helper: the result    the new mount's id, connection and line, or failed=
+ *
+ * What no message can switch off (issue 26: a request cut short once lost them): the
+ * walk and every check run with the caller's uid, gid and groups, and never look inside
+ * a mount of a type in NO_WALK. The caller's fd is judged from /proc (its fdinfo and the
+ * mount table) before it is taken, so a tenant's file whose close waits on its FUSE
+ * daemon (FLUSH) is never owned here.
  *
  * Nothing here decides policy (policy.py does, from the facts). What this program
  * guarantees itself: paths are resolved from the root of the caller's mount namespace
  * (setns sets it), never from the caller's root or cwd; one component at a time,
- * without symlinks, and never inside a mount whose type is in nowalk (a FUSE daemon
+ * without symlinks, and never inside a mount whose type is in NO_WALK (a FUSE daemon
  * can stall any lookup); a non-root caller's walk runs with its own uid, gid and
  * groups and without the capabilities that bypass permissions; the /dev/fuse fd is
  * taken from the caller (pidfd_getfd) and must be the FUSE device, so the mount
@@ -49,10 +56,21 @@
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
-#define MAX_MESSAGE 16384
+#define MAX_FRAME 163840
+#define MAX_FIELDS 16
+#define MAX_GROUPS 32768
+#define FRAME_MAGIC "FBH1"
+#define FRAME_HEAD 12
+#define REQUEST 1
+#define ANSWER 2
+#define REPORT 3
 #define MAX_TABLE (8 << 20)
-#define MAX_GROUPS 256
 #define MAX_PATH 4096
+/* Mount types never looked inside (policy.NO_WALK; a unit test keeps them equal); an
+ * entry ending in '.' is a prefix. Built in, not sent: no message can leave it out. */
+#define NO_WALK "fuse,fuse.,fuseblk,fuseblk.,autofs"
+#define REQUEST_FIELDS "op path uid gid groups fuse_fd"
+#define VERDICT_FIELDS "go source subtype max_read flags attrs"
 
 /* The new mount API and friends (uapi values; one number on every architecture). */
 #define SYS_move_mount_ 429
@@ -120,10 +138,13 @@ struct cap_data {
 	uint32_t effective, permitted, inheritable;
 };
 
+/* One received frame's fields, pointing into its buffer (each key and value is
+ * followed by a NUL on the wire, so they are C strings; len is the value's size). */
 struct fields {
 	int count;
-	char *key[64];
-	char *value[64];
+	const char *key[MAX_FIELDS];
+	const char *value[MAX_FIELDS];
+	size_t len[MAX_FIELDS];
 };
 
 /* One line of mountinfo, the parts the broker judges by. */
@@ -141,24 +162,52 @@ struct table {
 
 static int ctl = -1;
 
-/* Sends one message of the given key, value pairs (NULL-terminated list); exits on
- * failure: a broker that stopped listening has given up on this request. */
+/* Sends one REPORT frame of the given key, value pairs (NULL-terminated list). One that
+ * does not fit is never sent cut: a short failure goes instead. Exits on a send failure:
+ * a broker that stopped listening has given up on this request. */
 static void say(const char *key, ...)
 {
-	char buf[MAX_MESSAGE];
-	size_t len = 0;
+	static char out[MAX_FRAME];
+	size_t len = FRAME_HEAD;
+	uint32_t total;
+	int count = 0, whole = 1;
 	va_list args;
 
 	va_start(args, key);
 	for (; key; key = va_arg(args, const char *)) {
 		const char *value = va_arg(args, const char *);
-		int n = snprintf(buf + len, sizeof(buf) - len, "%s=%s", key, value ? value : "");
-		if (n < 0 || (size_t)n + 1 > sizeof(buf) - len)
+		size_t k = strlen(key), v;
+		uint32_t v32;
+		if (!value)
+			value = "";
+		v = strlen(value);
+		if (count == MAX_FIELDS || k > 255 || len + k + v + 7 > sizeof(out)) {
+			whole = 0;
 			break;
-		len += (size_t)n + 1;
+		}
+		out[len++] = (char)k;
+		memcpy(out + len, key, k + 1);
+		len += k + 1;
+		v32 = (uint32_t)v;
+		memcpy(out + len, &v32, 4);
+		len += 4;
+		memcpy(out + len, value, v + 1);
+		len += v + 1;
+		count++;
 	}
 	va_end(args);
-	if (send(ctl, buf, len, MSG_NOSIGNAL) != (ssize_t)len)
+	if (!whole) {
+		say("status", "failed", "message", "the helper's report does not fit in one frame",
+		    NULL);
+		_exit(1);
+	}
+	total = (uint32_t)len;
+	memcpy(out, FRAME_MAGIC, 4);
+	memcpy(out + 4, &total, 4);
+	out[8] = REPORT;
+	out[9] = (char)count;
+	out[10] = out[11] = 0;
+	if (send(ctl, out, len, MSG_NOSIGNAL) != (ssize_t)len)
 		_exit(1);
 }
 
@@ -188,25 +237,105 @@ static void failed(const char *what)
 	finish("failed", "%s: %s", what, strerror(errno));
 }
 
-static void hear(char *buf, struct fields *out)
+/* Reads one frame of type kind into fields pointing into buf; NULL, or what is wrong. */
+static const char *parse(const char *buf, size_t n, int kind, struct fields *f)
 {
-	ssize_t n = recv(ctl, buf, MAX_MESSAGE - 1, 0);
-	char *p = buf;
+	uint32_t total;
+	size_t at = FRAME_HEAD;
+	int count;
+
+	f->count = 0;
+	if (n < FRAME_HEAD || memcmp(buf, FRAME_MAGIC, 4) != 0 || buf[10] || buf[11])
+		return "it is not a frame";
+	memcpy(&total, buf + 4, 4);
+	if (total != n)
+		return "its length is not what arrived";
+	if ((unsigned char)buf[8] != kind)
+		return "it is not the expected type of message";
+	count = (unsigned char)buf[9];
+	if (count > MAX_FIELDS)
+		return "it has too many fields";
+	for (int i = 0; i < count; i++) {
+		size_t k, v;
+		uint32_t v32;
+		const char *key, *value;
+		if (at + 1 > n)
+			return "a field runs past its end";
+		k = (unsigned char)buf[at++];
+		if (k == 0 || at + k + 1 > n || buf[at + k] != 0 || memchr(buf + at, 0, k))
+			return "a field's name is malformed";
+		key = buf + at;
+		at += k + 1;
+		if (at + 4 > n)
+			return "a field runs past its end";
+		memcpy(&v32, buf + at, 4);
+		at += 4;
+		v = v32;
+		if (v >= n - at || buf[at + v] != 0)
+			return "a field runs past its end";
+		value = buf + at;
+		at += v + 1;
+		for (int j = 0; j < f->count; j++)
+			if (strcmp(f->key[j], key) == 0)
+				return "a field is given twice";
+		if (strcmp(key, "groups") != 0 && memchr(value, 0, v))
+			return "a text field holds a NUL byte";
+		f->key[f->count] = key;
+		f->value[f->count] = value;
+		f->len[f->count++] = v;
+	}
+	if (at != n)
+		return "bytes follow its last field";
+	return NULL;
+}
+
+static int has(const struct fields *f, const char *key)
+{
+	for (int i = 0; i < f->count; i++)
+		if (strcmp(f->key[i], key) == 0)
+			return 1;
+	return 0;
+}
+
+/* The message's fields must be among allowed (space-separated names), and include
+ * needed: a message that says less than it must is refused whole, never guessed at. */
+static const char *schema(const struct fields *f, const char *allowed, const char *needed)
+{
+	char want[256], *save = NULL;
+
+	for (int i = 0; i < f->count; i++) {
+		size_t k = strlen(f->key[i]);
+		const char *p = strstr(allowed, f->key[i]);
+		while (p && !((p == allowed || p[-1] == ' ') && (p[k] == ' ' || p[k] == '\0')))
+			p = strstr(p + 1, f->key[i]);
+		if (!p)
+			return "it has a field this helper does not know";
+	}
+	snprintf(want, sizeof(want), "%s", needed);
+	for (char *w = strtok_r(want, " ", &save); w; w = strtok_r(NULL, " ", &save))
+		if (!has(f, w))
+			return "it lacks a field it must have";
+	return NULL;
+}
+
+/* Receives one frame of type kind, read whole (MSG_TRUNC reports a longer one, which is
+ * refused, not cut), and checks it against its schema. */
+static void hear(char *buf, int kind, const char *allowed, const char *needed,
+		 struct fields *out)
+{
+	ssize_t n = recv(ctl, buf, MAX_FRAME, MSG_TRUNC);
+	const char *wrong;
 
 	if (n <= 0)
 		_exit(1); /* the broker went away or gave up */
-	buf[n] = '\0';
-	out->count = 0;
-	while (p < buf + n && out->count < 64) {
-		char *eq = strchr(p, '=');
-		size_t len = strlen(p);
-		if (eq) {
-			*eq = '\0';
-			out->key[out->count] = p;
-			out->value[out->count++] = eq + 1;
-		}
-		p += len + 1;
-	}
+	if (n > MAX_FRAME)
+		finish("failed", "a message of %zd bytes from the broker is larger than %d: "
+		       "refused whole", n, MAX_FRAME);
+	wrong = parse(buf, (size_t)n, kind, out);
+	if (!wrong)
+		wrong = schema(out, allowed, needed);
+	if (wrong)
+		finish("failed", "bad message from the broker: %s", wrong);
 }
 
 static const char *get(const struct fields *f, const char *key)
@@ -222,10 +351,12 @@ static long number(const char *text, long max)
 	char *end;
 	long value;
 
+	if (strspn(text, "0123456789") != strlen(text) || strlen(text) > 10)
+		finish("failed", "bad message from the broker: bad number '%.20s'", text);
 	errno = 0;
 	value = strtol(text, &end, 10);
 	if (!*text || *end || errno || value < 0 || value > max)
-		finish("failed", "bad number '%s' from the broker", text);
+		finish("failed", "bad message from the broker: bad number '%s'", text);
 	return value;
 }
 
@@ -266,12 +397,12 @@ static char *unescape(char *text)
 	return text;
 }
 
-/* The mount table of the namespace this process is in now, relative to its root
- * (setns made that the namespace's root), read through the broker's own /proc. */
-static void read_table(int proc, struct table *t)
+/* A mount table, read through the broker's own /proc: "self/mountinfo" is the namespace
+ * this process is in now, relative to its root (setns made that the namespace's root). */
+static void read_table_of(int proc, const char *name, struct table *t)
 {
 	size_t size = 0, cap = 1 << 16;
-	int fd = openat(proc, "self/mountinfo", O_RDONLY | O_CLOEXEC);
+	int fd = openat(proc, name, O_RDONLY | O_CLOEXEC);
 	char *line;
 
 	if (fd == -1)
@@ -332,6 +463,11 @@ static void read_table(int proc, struct table *t)
 	}
 }
 
+static void read_table(int proc, struct table *t)
+{
+	read_table_of(proc, "self/mountinfo", t);
+}
+
 static const struct mount *find_id(const struct table *t, unsigned long id)
 {
 	for (int i = 0; i < t->count; i++)
@@ -366,27 +502,70 @@ static int listed(const char *list, const char *fstype)
 	return 0;
 }
 
+/* The request's groups: an array of u32, each a valid id, at most MAX_GROUPS. */
+static const char *group_array(const struct fields *req, size_t *count)
+{
+	const char *raw = NULL;
+	size_t len = 0;
+
+	for (int i = 0; i < req->count; i++)
+		if (strcmp(req->key[i], "groups") == 0) {
+			raw = req->value[i];
+			len = req->len[i];
+		}
+	if (!raw || len % 4 != 0 || len / 4 > MAX_GROUPS)
+		finish("failed", "bad message from the broker: groups of %zu bytes", len);
+	for (size_t i = 0; i < len / 4; i++) {
+		uint32_t one;
+		memcpy(&one, raw + 4 * i, 4);
+		if (one > 0xfffffffeu)
+			finish("failed", "%s", "bad message from the broker: a group id of -1");
+	}
+	*count = len / 4;
+	return raw;
+}
+
+/* The whole request is checked before anything is done for it: a field that fails its
+ * type ends the request here, not halfway through. */
+static int check_request(const struct fields *req)
+{
+	size_t n;
+	int mount = strcmp(get(req, "op"), "mount") == 0;
+
+	if (!mount && strcmp(get(req, "op"), "unmount") != 0)
+		finish("failed", "bad message from the broker: unknown op '%s'", get(req, "op"));
+	if (mount != has(req, "fuse_fd"))
+		finish("failed", "%s", "bad message from the broker: fuse_fd goes with mount, "
+		       "and only with mount");
+	if (mount)
+		number(get(req, "fuse_fd"), 1 << 20);
+	number(get(req, "uid"), 0xfffffffe);
+	number(get(req, "gid"), 0xfffffffe);
+	group_array(req, &n);
+	if (get(req, "path")[0] != '/' || strlen(get(req, "path")) >= MAX_PATH)
+		finish("failed", "%s", "bad message from the broker: the path");
+	return mount;
+}
+
 /* Take the caller's uid, gid and groups for every permission check from here on;
- * done before entering its user namespace, with the ids as the node sees them. */
+ * done before entering its user namespace, with the ids as the node sees them. Every
+ * caller, node root included (whose ids keep root's powers): there is no request in
+ * which the walk runs as anyone else. The groups arrive as an array of u32, all of
+ * them (a frame holds up to MAX_GROUPS; the broker refuses a caller with more). */
 static void become_caller(const struct fields *req)
 {
-	gid_t groups[MAX_GROUPS];
-	const char *p = get(req, "groups");
-	int n = 0;
+	static gid_t groups[MAX_GROUPS];
+	size_t n;
+	const char *raw = group_array(req, &n);
 	uid_t uid = (uid_t)number(get(req, "uid"), 0xfffffffe);
 	gid_t gid = (gid_t)number(get(req, "gid"), 0xfffffffe);
 
-	while (*p && n < MAX_GROUPS) {
-		char one[16];
-		size_t len = strcspn(p, ",");
-		if (len == 0 || len >= sizeof(one))
-			finish("failed", "bad groups '%s' from the broker", get(req, "groups"));
-		memcpy(one, p, len);
-		one[len] = '\0';
-		groups[n++] = (gid_t)number(one, 0xfffffffe);
-		p += len + (p[len] == ',');
+	for (size_t i = 0; i < n; i++) {
+		uint32_t one;
+		memcpy(&one, raw + 4 * i, 4);
+		groups[i] = (gid_t)one;
 	}
-	if (setgroups((size_t)n, groups) == -1)
+	if (setgroups(n, groups) == -1)
 		failed("setgroups");
 	setfsgid(gid);
 	setfsuid(uid);
@@ -429,16 +608,15 @@ static const char *reason(int err)
 }
 
 /* Looking up a name in a directory asks its filesystem: refuse before asking one whose
- * type is in nowalk (a FUSE daemon can stall any lookup, an automounter too). */
-static void check_walkable(const struct table *t, int dir, const char *path,
-			   const char *nowalk)
+ * type is in NO_WALK (a FUSE daemon can stall any lookup, an automounter too). */
+static void check_walkable(const struct table *t, int dir, const char *path)
 {
 	const struct mount *m = find_id(t, mount_id_of(dir));
 
 	if (!m)
 		refused("mountpoint '%s' refused: %s", path,
 			"the mount table changed while it was resolved");
-	if (listed(nowalk, m->fstype))
+	if (listed(NO_WALK, m->fstype))
 		finish("refused", "mountpoint '%s' is at or inside the %s mount at '%s': the "
 		       "broker does not resolve paths through it", path, m->fstype, m->point);
 }
@@ -454,10 +632,10 @@ static int open_one(int dir, const char *name)
 }
 
 /* Resolve path from the namespace's root one component at a time, refusing to look
- * inside any mount of a nowalk type; returns an O_PATH fd of the directory reached
+ * inside any mount of a NO_WALK type; returns an O_PATH fd of the directory reached
  * (or, for the last component, whatever it is: the caller asked for a name in its
  * parent). */
-static int walk(const struct table *t, const char *path, const char *nowalk, int whole)
+static int walk(const struct table *t, const char *path, int whole)
 {
 	char copy[MAX_PATH], *save = NULL, *name, *next;
 	int cur = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
@@ -471,7 +649,7 @@ static int walk(const struct table *t, const char *path, const char *nowalk, int
 	while (name) {
 		int fd;
 		next = strtok_r(NULL, "/", &save);
-		check_walkable(t, cur, path, nowalk);
+		check_walkable(t, cur, path);
 		if (!next && !whole)
 			return cur; /* the parent, for unmount */
 		fd = open_one(cur, name);
@@ -491,26 +669,125 @@ static int walk(const struct table *t, const char *path, const char *nowalk, int
  * mount at /run/fuse-broker. The broker judges it before anything else is looked at. */
 static void present_mark(const struct table *t)
 {
-	char buf[MAX_MESSAGE];
+	static char buf[MAX_FRAME];
 	struct fields answer;
 	const struct mount *mark = find_point(t, "/run/fuse-broker");
 
 	say("status", "mark", "mark_dev", mark ? mark->dev : "", "mark_root",
 	    mark ? mark->root : "", NULL);
-	hear(buf, &answer);
+	hear(buf, ANSWER, "go", "go", &answer);
 	if (strcmp(get(&answer, "go"), "1") != 0)
 		_exit(0);
 }
 
-/* The caller's own /dev/fuse, taken from its fd table: an fd of the FUSE device,
- * opened for reading and writing (not an O_PATH handle of some node named like it). */
-static int take_fuse_fd(int pidfd, const char *number_text)
+/* A small procfs file, NUL-terminated; -1 with errno when it cannot be read. */
+static ssize_t read_small(int proc, const char *name, char *out, size_t size)
 {
-	int fd = (int)syscall(SYS_pidfd_getfd_, pidfd, (int)number(number_text, 1 << 20), 0);
+	int fd = openat(proc, name, O_RDONLY | O_CLOEXEC);
+	ssize_t n;
+
+	if (fd == -1)
+		return -1;
+	n = read(fd, out, size - 1);
+	close(fd);
+	if (n >= 0)
+		out[n] = '\0';
+	return n;
+}
+
+static ssize_t readlink_at(int dir, const char *name, char *out, size_t size)
+{
+	ssize_t n = readlinkat(dir, name, out, size - 1);
+
+	if (n >= 0)
+		out[n] = '\0';
+	return n;
+}
+
+/* The number after "key:" at the start of a line of a procfs file, in base; -1 if absent. */
+static long line_number(const char *text, const char *key, int base)
+{
+	size_t len = strlen(key);
+
+	for (const char *p = text; p && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL)
+		if (strncmp(p, key, len) == 0 && p[len] == ':')
+			return strtol(p + len + 1, NULL, base);
+	return -1;
+}
+
+/* Judge the caller's fd N without taking it, from what the kernel says about it (the
+ * fd's flags and mount in /proc/PID/fdinfo/N, that mount's type in the caller's table,
+ * and a statx through /proc/PID/fd/N that FUSE answers from its cache): a file whose
+ * close could wait on a tenant (a FUSE file's FLUSH, a lingering socket) is refused
+ * before this process ever owns it. */
+static void judge_fd(int proc, long pid, const char *number_text)
+{
+	char name[64], info[1024], link[128];
+	const char *not_fuse = "the caller's fd %s is not /dev/fuse opened for reading and "
+			       "writing%s";
+	struct table t;
+	const struct mount *m;
+	struct statx_ st;
+	long flags, mnt_id;
+	ssize_t n;
+
+	snprintf(name, sizeof(name), "%ld/fdinfo/%s", pid, number_text);
+	if (read_small(proc, name, info, sizeof(info)) == -1) {
+		if (errno == ENOENT)
+			refused("the caller has no open fd %s%s", number_text,
+				" (the shim sends the /dev/fuse it opened)");
+		failed("read the caller's fdinfo");
+	}
+	flags = line_number(info, "flags", 8);
+	mnt_id = line_number(info, "mnt_id", 10);
+	if (flags == -1 || mnt_id == -1)
+		finish("failed", "%s", "the caller's fdinfo has no flags or mnt_id");
+	snprintf(name, sizeof(name), "%ld/fd/%s", pid, number_text);
+	n = readlink_at(proc, name, link, sizeof(link));
+	if (n > 0 && link[0] != '/')
+		refused(not_fuse, number_text, " (it is not a file at a path)");
+	if ((flags & O_PATH) || (flags & O_ACCMODE) != O_RDWR)
+		refused(not_fuse, number_text, "");
+	snprintf(name, sizeof(name), "%ld/mountinfo", pid);
+	read_table_of(proc, name, &t);
+	m = find_id(&t, (unsigned long)mnt_id);
+	if (!m)
+		refused(not_fuse, number_text, " (its mount is not in the caller's namespace)");
+	if (listed(NO_WALK, m->fstype))
+		refused(not_fuse, number_text, " (it is a file in a FUSE mount)");
+	snprintf(name, sizeof(name), "%ld/fd/%s", pid, number_text);
+	if (syscall(SYS_statx, proc, name, AT_STATX_DONT_SYNC, STATX_TYPE, &st) == -1)
+		failed("statx the caller's fd");
+	if (!S_ISCHR(st.stx_mode) || st.stx_rdev_major != FUSE_MAJOR
+	    || st.stx_rdev_minor != FUSE_MINOR)
+		refused(not_fuse, number_text, "");
+	free(t.text);
+	free(t.mounts);
+}
+
+/* The caller's own /dev/fuse, judged first (judge_fd) and then taken from its fd table
+ * and checked again: an fd of the FUSE device, opened for reading and writing (not an
+ * O_PATH handle of some node named like it). A caller that swaps another file in
+ * between the two makes this process own that file; the broker counts such a helper
+ * until it has exited, and gives its container no other. */
+static int take_fuse_fd(int proc, int pidfd, const char *number_text)
+{
+	int fd;
 	struct statx_ st;
 	int flags;
+	long pid;
+	char name[64], info[1024];
 
 	refusal_kind = "allocation";
+	number(number_text, 1 << 20);
+	snprintf(name, sizeof(name), "self/fdinfo/%d", pidfd);
+	if (read_small(proc, name, info, sizeof(info)) == -1)
+		failed("read the pidfd's fdinfo");
+	pid = line_number(info, "Pid", 10);
+	if (pid <= 0)
+		refused("the calling process has exited%s%s", "", "");
+	judge_fd(proc, pid, number_text);
+	fd = (int)syscall(SYS_pidfd_getfd_, pidfd, (int)number(number_text, 1 << 20), 0);
 	if (fd == -1) {
 		if (errno == EBADF)
 			refused("the caller has no open fd %s%s", number_text,
@@ -523,7 +800,7 @@ static int take_fuse_fd(int pidfd, const char *number_text)
 	if ((flags & O_PATH) || (flags & O_ACCMODE) != O_RDWR || !S_ISCHR(st.stx_mode)
 	    || st.stx_rdev_major != FUSE_MAJOR || st.stx_rdev_minor != FUSE_MINOR)
 		refused("the caller's fd %s is not /dev/fuse opened for reading and writing%s",
-			number_text, "");
+			number_text, " (it changed while it was judged)");
 	refusal_kind = "path";
 	return fd;
 }
@@ -630,9 +907,10 @@ static void verify(int proc, int mnt, const struct fields *v, uid_t uid, gid_t g
 	    "dev", m->dev, "point", m->point, "options", m->options, "super", m->super, NULL);
 }
 
-static void mount_op(int proc, int fuse, const struct fields *req, int check)
+static void mount_op(int proc, int fuse, const struct fields *req)
 {
-	char buf[MAX_MESSAGE], mode[16], owner[16], writable[2] = "-", root[2], mount[24];
+	static char buf[MAX_FRAME];
+	char mode[16], owner[16], writable[2] = "-", root[2], mount[24];
 	char ids[2][16];
 	const char *path = get(req, "path");
 	struct fields verdict;
@@ -645,17 +923,16 @@ static void mount_op(int proc, int fuse, const struct fields *req, int check)
 
 	read_table(proc, &t);
 	present_mark(&t);
-	target = walk(&t, path, get(req, "nowalk"), 1);
+	target = walk(&t, path, 1);
 	/* Nothing below may ask a stallable filesystem, the target's included. */
-	check_walkable(&t, target, path, get(req, "nowalk"));
+	check_walkable(&t, target, path);
 	m = find_id(&t, mount_id_of(target));
 	if (statx_fd(target, STATX_TYPE | STATX_MODE | STATX_UID, &st) == -1)
 		failed("statx the mountpoint");
 	if (!S_ISDIR(st.stx_mode))
 		refused("mountpoint '%s' refused: %s", path, reason(ENOTDIR));
-	if (check)
-		writable[0] = syscall(SYS_faccessat2_, target, "", W_OK,
-				      AT_EMPTY_PATH | AT_EACCESS) == 0 ? '1' : '0';
+	writable[0] = syscall(SYS_faccessat2_, target, "", W_OK,
+			      AT_EMPTY_PATH | AT_EACCESS) == 0 ? '1' : '0';
 	snprintf(mode, sizeof(mode), "%o", st.stx_mode & 07777);
 	snprintf(owner, sizeof(owner), "%u", st.stx_uid);
 	snprintf(mount, sizeof(mount), "%lu", m->id);
@@ -667,7 +944,7 @@ static void mount_op(int proc, int fuse, const struct fields *req, int check)
 	say("status", "facts", "mount", mount, "fstype", m->fstype, "mount_point", m->point,
 	    "mount_root", root, "shared", m->shared ? "1" : "0", "mode", mode, "owner", owner,
 	    "writable", writable, "uid", ids[0], "gid", ids[1], NULL);
-	hear(buf, &verdict);
+	hear(buf, ANSWER, VERDICT_FIELDS, "go", &verdict);
 	if (strcmp(get(&verdict, "go"), "1") != 0)
 		_exit(0);
 	mnt = build_and_attach(fuse, target, &verdict, uid, gid);
@@ -676,7 +953,8 @@ static void mount_op(int proc, int fuse, const struct fields *req, int check)
 
 static void unmount_op(int proc, const struct fields *req)
 {
-	char buf[MAX_MESSAGE], id[24];
+	static char buf[MAX_FRAME];
+	char id[24];
 	const char *path = get(req, "path"), *name = strrchr(path, '/') + 1;
 	struct fields verdict;
 	struct table t;
@@ -685,7 +963,7 @@ static void unmount_op(int proc, const struct fields *req)
 
 	read_table(proc, &t);
 	present_mark(&t);
-	parent = walk(&t, path, get(req, "nowalk"), 0);
+	parent = walk(&t, path, 0);
 	/* Crossing into the mount on top of name asks nothing of its filesystem. */
 	top = open_one(parent, name);
 	if (top == -1)
@@ -697,7 +975,7 @@ static void unmount_op(int proc, const struct fields *req)
 	snprintf(id, sizeof(id), "%lu", m->id);
 	say("status", "facts", "mount", id, "fstype", m->fstype, "dev", m->dev,
 	    "super", m->super, NULL);
-	hear(buf, &verdict);
+	hear(buf, ANSWER, "go lazy", "go", &verdict);
 	if (strcmp(get(&verdict, "go"), "1") != 0)
 		_exit(0);
 	if (fchdir(parent) == -1)
@@ -710,9 +988,9 @@ static void unmount_op(int proc, const struct fields *req)
 
 int main(int argc, char *argv[])
 {
-	char buf[MAX_MESSAGE];
+	static char buf[MAX_FRAME];
 	struct fields req;
-	int pidfd, mntns, userns = -1, proc, check, mount, fuse = -1;
+	int pidfd, mntns, userns = -1, proc, mount, fuse = -1;
 
 	if (argc != 4 && argc != 5) {
 		fprintf(stderr, "usage: fuse-broker-helper CTLFD PIDFD MNTNSFD [USERNSFD]\n");
@@ -723,28 +1001,24 @@ int main(int argc, char *argv[])
 	mntns = (int)number(argv[3], 1 << 20);
 	if (argc == 5)
 		userns = (int)number(argv[4], 1 << 20);
-	hear(buf, &req);
-	check = strcmp(get(&req, "check"), "1") == 0;
-	mount = strcmp(get(&req, "op"), "mount") == 0;
-	if (!mount && strcmp(get(&req, "op"), "unmount") != 0)
-		finish("failed", "unknown op '%s'", get(&req, "op"));
+	hear(buf, REQUEST, REQUEST_FIELDS, "op path uid gid groups", &req);
+	mount = check_request(&req);
 	/* With the broker's own credentials: the caller's fd, and the broker's /proc,
 	 * through which the caller's mount table is read after setns. */
-	if (mount)
-		fuse = take_fuse_fd(pidfd, get(&req, "fuse_fd"));
 	proc = open("/proc", O_PATH | O_DIRECTORY | O_CLOEXEC);
 	if (proc == -1)
 		failed("open /proc");
-	if (check)
-		become_caller(&req);
+	if (mount)
+		fuse = take_fuse_fd(proc, pidfd, get(&req, "fuse_fd"));
+	become_caller(&req);
 	if (userns != -1 && setns(userns, CLONE_NEWUSER) == -1)
 		failed("setns user");
 	if (setns(mntns, CLONE_NEWNS) == -1)
 		failed("setns mnt");
-	if (check && setfsuid((uid_t)-1) != 0)
+	if (setfsuid((uid_t)-1) != 0)
 		drop_dac();
 	if (mount)
-		mount_op(proc, fuse, &req, check);
+		mount_op(proc, fuse, &req);
 	else
 		unmount_op(proc, &req);
 	return 0;
