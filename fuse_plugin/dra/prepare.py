@@ -97,11 +97,18 @@ class Preparer:
         logs.event(self._log, "claim.prepared", claim=f"{namespace}/{name}", uid=uid,
                    mode=found.mode, spec=str(path),
                    devices=[d.device for d in found.devices])
-        # Every device of the claim is the same node: name the CDI device once, so the
-        # runtime is not asked to inject it twice into one container.
-        return [Prepared(d.request, d.pool, d.device,
-                         (self.cdi_id(uid),) if index == 0 else (), d.share_id)
-                for index, d in enumerate(found.devices)]
+        # Every device of the claim is the same node. The kubelet gives a container the
+        # CDI IDs of the devices of each request it names, so each request's first device
+        # carries the ID (every container gets /dev/fuse) and a request's further devices
+        # none (a container is not handed the same CDI device twice for one request).
+        named: set[str] = set()
+        prepared = []
+        for d in found.devices:
+            first = d.request not in named
+            named.add(d.request)
+            prepared.append(Prepared(d.request, d.pool, d.device,
+                                     (self.cdi_id(uid),) if first else (), d.share_id))
+        return prepared
 
     def _check_node(self, found: Allocation, claim: str) -> None:
         """Refuse now what would fail the container later: no FUSE device on the node,

@@ -199,18 +199,24 @@ def test_the_claims_own_config_wins_over_the_class_and_requests_pick_theirs(
     assert "mounts" in spec_of(rig, uid)["devices"][0]["containerEdits"]
 
 
-def test_shared_device_answers_with_its_share_id_and_one_cdi_name(rig: Rig) -> None:
+def test_shared_device_answers_with_its_share_id_and_a_cdi_name_per_request(
+        rig: Rig) -> None:
+    """The kubelet hands a container the CDI IDs of the requests it names: each request
+    needs the ID once, and only once."""
     share = str(uuid.uuid4())
     ns, name, uid = add_claim(rig.api, "shared", results=[
         {"request": "fuse", "driver": DRIVER_NAME, "pool": "node-1", "device": "fuse",
          "shareID": share},
-        {"request": "fuse", "driver": DRIVER_NAME, "pool": "node-1", "device": "fuse-1"}])
+        {"request": "fuse", "driver": DRIVER_NAME, "pool": "node-1", "device": "fuse-1"},
+        {"request": "other", "driver": DRIVER_NAME, "pool": "node-1", "device": "fuse-2"}])
     result = rig.kubelet.prepare((ns, name, uid)).claims[uid]
     assert result.error == ""
-    first, second = result.devices
+    first, second, other = result.devices
     assert first.share_id == share
     assert list(first.cdi_device_ids) == [f"{KIND}={uid}"]
-    assert list(second.cdi_device_ids) == []  # the same node: injected once
+    assert list(second.cdi_device_ids) == []  # the same node, the same request
+    assert list(other.cdi_device_ids) == [f"{KIND}={uid}"]
+    assert list(other.request_names) == ["other"]
 
 
 def test_mixed_modes_in_one_claim_are_refused(rig: Rig) -> None:
