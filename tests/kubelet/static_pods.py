@@ -166,12 +166,15 @@ def pods(node: Any, **specs: dict[str, Any]) -> Iterator[dict[str, PodRun]]:
             r.remove()
 
 
+# The kubelet's line when a device plugin registers (1.37's wording).
+REGISTRATION = (r'Got registration request from device plugin with resource" '
+                r'resourceName="github.com/fuse"')
+
+
 def wait_registered(node: Any, since: int, when: str) -> list[str]:
     """The kubelet's own log: registration accepted and the device list pushed; then the
     registration must stay up."""
-    reg = re.compile(
-        r'Got registration request from device plugin with resource" resourceName="github.com/fuse"'
-    )
+    reg = re.compile(REGISTRATION)
     push = re.compile(r'State pushed for device plugin" resource="github.com/fuse"')
 
     def seen() -> tuple[list[str], int] | None:
@@ -212,13 +215,13 @@ def assert_registration_stable(after_line: str, since: int, when: str) -> None:
     while time.monotonic() < deadline:
         churn = kubelet_lines(
             since,
-            r'ListAndWatch ended unexpectedly for device plugin" resource="github.com/fuse"',
-            r'Got registration request from device plugin with resource" resourceName="github.com/fuse"',
+            r'ListAndWatch ended unexpectedly for device plugin".* resource="github.com/fuse"',
+            REGISTRATION,
         )
         if churn:
             churn = kubelet_lines(
                 since,
-                r'ended unexpectedly for device plugin" resource="github.com/fuse"',
+                r'ended unexpectedly for device plugin".* resource="github.com/fuse"',
                 r"Got registration request .*github.com/fuse",
                 r"Mark all resources Unhealthy",
             )

@@ -390,7 +390,8 @@ def test_kubelet_restart_plugin_reregisters(kube_node: Any) -> None:
         run.expect("Succeeded")
         assert "/dev/fuse" in run.log(), f"expected /dev/fuse in the pod\n{run.report()}"
         cap = kubelet_lines(run.since, CAPACITY)
-        assert cap, f"expected 'Updated capacity for device plugin' {RESOURCE} after the restart\n{run.report()}"
+        assert cap, (f"expected 'Updated capacity for device plugin' {RESOURCE} after the "
+                     f"restart\n{run.report()}")
         assert cap[-1].endswith(f"capacity={SLOTS}"), (
             f"expected capacity {SLOTS} after the restart, the kubelet logged: {cap}"
         )
@@ -414,7 +415,7 @@ def test_plugin_sigkill_and_restart(kube_node: Any) -> None:
     # The kubelet sees the plugin gone.
     gone = nodemod.wait_for(
         lambda: kubelet_lines(
-            since, r'ListAndWatch ended unexpectedly for device plugin" resource="github.com/fuse"'
+            since, r'ListAndWatch ended unexpectedly for device plugin".* resource="github.com/fuse"'
         ),
         30,
         "the kubelet to notice the killed plugin",
