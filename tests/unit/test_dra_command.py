@@ -111,3 +111,17 @@ def test_serve_never_loads_the_kubernetes_client() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True, timeout=60)
     assert done.stdout.strip() == "[]"
+
+
+def test_every_dra_flag_and_its_environment_twin_is_documented() -> None:
+    from dataclasses import fields
+
+    from fuse_plugin.args import env_name
+    from fuse_plugin.dra import settings
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "dra.md").read_text()
+    for flag, _, _ in settings.FLAGS:
+        default = next(f.default for f in fields(settings.DraSettings)
+                       if f.name == flag.lstrip("-").replace("-", "_"))
+        row = f"| `{flag}` | `{env_name(flag)}` | `{default}` |"
+        assert row in doc, f"docs/dra.md's flag table lacks {row}"
