@@ -15,6 +15,7 @@ claim, as text for the pod's events, never an exception out of here.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,10 @@ CDI_CLASS = "fuse"
 # rw for everyone: the pod's own securityContext decides who runs in it, and FUSE's
 # own checks (allow_other, the mount's owner) still apply.
 FILE_MODE = 0o666
+# What the API server allows for a namespace and a claim's name: they become the path of
+# the GET, so nothing else is sent.
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,9 @@ class Preparer:
             cdi.check_device_name(uid)
         except ValueError as err:
             raise ClaimError(f"claim {namespace}/{name}: UID {err}") from None
+        if not _NAMESPACE.fullmatch(namespace) or not _NAME.fullmatch(name):
+            raise ClaimError(f"claim {namespace[:70]!r}/{name[:260]!r}: not a namespace and "
+                             "a ResourceClaim name the API server would accept")
         try:
             found = allocation(self._source.get(namespace, name), self.driver, uid)
         except (AttributeError, TypeError, KeyError, ValueError) as err:

@@ -150,13 +150,17 @@ def test_claims_that_cannot_be_prepared_say_why(rig: Rig) -> None:
     ns, name, _ = add_claim(rig.api, "recreated")
     stale_uid = (ns, name, str(uuid.uuid4()))
     traversal = (NS, "direct", "../../etc/x")
-    response = rig.kubelet.prepare(missing, unallocated, foreign, stale_uid, traversal)
+    bad_name = (NS, "../nodes/x", str(uuid.uuid4()))
+    response = rig.kubelet.prepare(missing, unallocated, foreign, stale_uid, traversal,
+                                   bad_name)
     errors = {uid: response.claims[uid].error for uid in response.claims}
     assert "cannot read claim team-a/missing from the API server: 404" in errors[missing[2]]
     assert errors[unallocated[2]] == "claim team-a/pending is not allocated"
     assert errors[foreign[2]] == f"claim team-a/foreign has no device of driver {DRIVER_NAME}"
     assert "the claim was deleted and made again" in errors[stale_uid[2]]
     assert "is not a CDI device name" in errors[traversal[2]]
+    assert "not a namespace and a ResourceClaim name" in errors[bad_name[2]]
+    assert not any("/nodes/" in path for _, path in rig.api.requests)
     assert not list(rig.settings.cdi_dir.glob("*"))
 
 
