@@ -23,23 +23,20 @@ from tests.cluster.kube import (
     APPLY,
     DEFAULT_SLOTS,
     EVIDENCE,
-    EXAMPLES_NS,
     INSTALLER_DS,
     PLUGIN_DS,
     PLUGIN_NS,
     PLUGIN_SELECTOR,
     SLOTS_ENV,
     daemonset_pod,
-    delete_pod,
     evidence,
-    example_doc,
-    example_overlay,
     manifests_overlay,
     plugin_env,
     rollout,
     wait_allocatable,
     wait_mounted,
 )
+from tests.cluster.sshfs_example import SSHFS_POD, apply_sshfs_example, delete_sshfs_example
 from tests.kubelet.node import skip_reason as node_skip_reason
 from tests.kubelet.node import tail
 
@@ -153,31 +150,13 @@ def servers(cluster: Cluster, kubectl: Kubectl, api: Api, images: dict[str, str]
                            tmp_path_factory.mktemp("sshkeys"))
 
 
-SSHFS_FILE = "sshfs-pod.yaml"
-SSHFS_POD = "sshfs-example"
-
-
 @pytest.fixture
 def sshfs_pod(*, deployed: dict[str, Any], servers: servermod.Servers, kubectl: Kubectl,
               api: Api, images: dict[str, str], tmp_path: Path) -> Iterator[str]:
-    """manifests/examples/sshfs-pod.yaml with its placeholders filled in (the key, the
-    server's host key line, REMOTE) and the tool image named; Running with its mount."""
-    pod = example_doc(SSHFS_FILE, "Pod")
-    secret_name = example_doc(SSHFS_FILE, "Secret")["metadata"]["name"]
-    container = pod["spec"]["containers"][0]["name"]
-    ov = example_overlay(tmp_path, SSHFS_FILE, "fuse-example-sshfs",
-                         images["EXAMPLE_SSHFS_IMAGE"], [
-        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret_name},
-         "stringData": {"id_ed25519": servers.client_key,
-                        "known_hosts": f"{servers.sshd_ip} {servers.host_key_pub}\n"}},
-        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": SSHFS_POD},
-         "spec": {"containers": [{"name": container, "env": [
-             {"name": "REMOTE", "value": f"root@{servers.sshd_ip}:/srv/data"}]}]}},
-    ])
-    kubectl(*APPLY, "-k", str(ov))
+    """manifests/examples/sshfs-pod.yaml, filled in, Running with its mount."""
+    apply_sshfs_example(kubectl, servers, images, tmp_path)
     try:
         wait_mounted(kubectl, api, SSHFS_POD, "/mnt/remote", "fuse.sshfs")
         yield SSHFS_POD
     finally:
-        delete_pod(kubectl, api, EXAMPLES_NS, SSHFS_POD)
-        kubectl("-n", EXAMPLES_NS, "delete", "secret", secret_name, "--ignore-not-found")
+        delete_sshfs_example(kubectl, api)

@@ -18,19 +18,23 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.cluster.cluster import Api, Cluster, Kubectl, pod_ready
 from tests.cluster.kube import (
     APPLY,
     DEFAULT_SLOTS,
+    EXAMPLES,
     EXAMPLES_NS,
     INSTALLER_DS,
     INSTALLER_SELECTOR,
+    MANIFESTS,
     PLUGIN_DS,
     PLUGIN_NS,
     PLUGIN_SELECTOR,
@@ -50,10 +54,17 @@ from tests.cluster.kube import (
     wait_allocatable,
     wait_gone,
     wait_mounted,
+    wait_pod,
     wait_ready,
+    write_json,
 )
 from tests.cluster.servers import NAMESPACE as SERVERS_NS
 from tests.cluster.servers import S3_KEY, S3_SECRET, Servers
+from tests.cluster.sshfs_example import (
+    SSHFS_FILE,
+    apply_sshfs_example,
+    delete_sshfs_example,
+)
 from tests.kubelet.node import SECCOMP_ROOT, wait_for
 
 SECCOMP_DIR = SECCOMP_ROOT / "fuse-device-plugin"
@@ -136,23 +147,105 @@ def test_profile_installer_puts_seccomp_profiles_where_the_kubelet_looks(
     assert said, "the installer never said that AppArmor is unavailable:\n" + "\n".join(logs)
 
 
-def test_old_server_drops_apparmor_profile(
-    deployed: dict[str, Any], kubectl: Kubectl, api: Api, overlay: Path
+def shipped_objects(kubectl: Kubectl, overlay: Path, tmp: Path) -> list[dict[str, Any]]:
+    """Every object the repository ships under manifests/, as a user would build it: each
+    Kustomization with kubectl's kustomize (manifests/ itself with every component
+    added), and each YAML file that no kustomization lists (such as the user-namespaced
+    broker example) as it is."""
+    with_all = tmp / "with-components"
+    shutil.copytree(overlay, with_all)
+    kustomization = yaml.safe_load((with_all / "kustomization.yaml").read_text())
+    kustomization["components"] = sorted(
+        d.parent.name for d in with_all.glob("*/kustomization.yaml")
+        if yaml.safe_load(d.read_text())["kind"] == "Component")
+    write_json(with_all / "kustomization.yaml", kustomization)
+    roots = [with_all, *sorted(
+        d.parent for d in MANIFESTS.glob("*/**/kustomization.yaml")
+        if yaml.safe_load(d.read_text())["kind"] == "Kustomization")]
+    kustomizations = {d.parent: yaml.safe_load(d.read_text())
+                      for d in MANIFESTS.glob("**/kustomization.yaml")}
+    # Files a kustomization builds from: its resources and its patches' files.
+    used = {(d / r).resolve() for d, k in kustomizations.items()
+            for r in [*(k.get("resources") or []),
+                      *(p["path"] for p in k.get("patches") or [] if "path" in p)]}
+    docs = [doc for root in roots
+            for doc in yaml.safe_load_all(kubectl("kustomize", str(root))) if doc]
+    for f in sorted(MANIFESTS.glob("**/*.yaml")):
+        if f.name != "kustomization.yaml" and f.resolve() not in used:
+            docs += [d for d in yaml.safe_load_all(f.read_text()) if d]
+    return docs
+
+
+def apparmor_fields(obj: dict[str, Any]) -> dict[str, Any]:
+    """Each container's appArmorProfile, by container name."""
+    spec = obj.get("spec") or {}
+    spec = (spec.get("template") or {}).get("spec", spec)
+    return {c["name"]: c["securityContext"]["appArmorProfile"]
+            for kind in ("initContainers", "containers") for c in spec.get(kind) or []
+            if "appArmorProfile" in (c.get("securityContext") or {})}
+
+
+def test_every_shipped_manifest_is_accepted_by_the_api_server_apparmor_fields_kept(
+    cluster: Cluster, kubectl: Kubectl, overlay: Path, tmp_path: Path
 ) -> None:
-    """What a 1.20 API server does with the manifests' 1.30 field: kubectl (validation off)
-    sends `securityContext.appArmorProfile`, the server stores the DaemonSet without it.
-    AppArmor confinement is proven in the AppArmor VM stage instead."""
-    rendered = [d for d in yaml.safe_load_all(kubectl("kustomize", str(overlay)))
-                if d and d["kind"] == "DaemonSet" and d["metadata"]["name"] == INSTALLER_DS]
-    sent = rendered[0]["spec"]["template"]["spec"]["containers"][0]["securityContext"]
-    stored = api.get(f"/apis/apps/v1/namespaces/{PLUGIN_NS}/daemonsets/{INSTALLER_DS}")
-    kept = stored["spec"]["template"]["spec"]["containers"][0]["securityContext"]
-    proof = evidence("apparmor-field",
-                     f"sent securityContext keys: {sorted(sent)}",
-                     f"stored securityContext keys: {sorted(kept)}")
-    assert sent.get("appArmorProfile") == {"type": "Unconfined"}, proof
-    assert "appArmorProfile" not in kept, proof
-    assert set(sent) - set(kept) == {"appArmorProfile"}, proof
+    """Every object under manifests/ (the plugin, every component, the examples, the
+    user-namespaced variant) applied to the API server as a server-side dry run, after
+    their namespaces: all accepted (validation, defaulting and admission, Pod Security
+    included), and every `securityContext.appArmorProfile` kept as sent."""
+    docs = shipped_objects(kubectl, overlay, tmp_path)
+    namespaces = [d for d in docs if d["kind"] == "Namespace"]
+    rest = [d for d in docs if d["kind"] != "Namespace"]
+    kubectl(*APPLY, "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                 "items": namespaces}))
+    out = kubectl.run(*APPLY, "--dry-run=server", "-o", "json", "-f", "-",
+                      stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": rest}),
+                      check=False)
+    returned = json.loads(out.stdout)["items"] if out.returncode == 0 else []
+    sent = {(d["kind"], d["metadata"]["name"]): apparmor_fields(d) for d in rest}
+    kept = {(d["kind"], d["metadata"]["name"]): apparmor_fields(d) for d in returned}
+    with_profiles = {k: v for k, v in sent.items() if v}
+    proof = evidence(
+        "manifests-accepted",
+        f"kubectl apply --dry-run=server of {len(rest)} objects (after {len(namespaces)} "
+        f"namespaces): rc={out.returncode} {out.stderr.strip()}",
+        *(f"{kind}/{name}: sent appArmorProfile {v}, the server kept "
+          f"{kept.get((kind, name))}" for (kind, name), v in with_profiles.items()))
+    assert out.returncode == 0, proof
+    assert sorted(kept) == sorted(sent), proof
+    assert with_profiles, proof
+    for key, v in with_profiles.items():
+        assert kept[key] == v, proof
+
+
+def test_kubelet_refuses_an_apparmor_profile_on_a_node_without_apparmor(
+    deployed: dict[str, Any], kubectl: Kubectl, api: Api, images: dict[str, str],
+    tmp_path: Path
+) -> None:
+    """The README's instruction for nodes without AppArmor ("drop `appArmorProfile`"),
+    shown by not following it: the sshfs example as shipped, with its Localhost AppArmor
+    profile, is admitted by the API server and refused by this node's kubelet, which has
+    no AppArmor to enforce it with; the pod fails before any container starts."""
+    name = "sshfs-apparmor"
+    pod = example_doc(SSHFS_FILE, "Pod")
+    pod["metadata"] = {"name": name, "namespace": EXAMPLES_NS}
+    pod["spec"]["containers"][0]["image"] = images["EXAMPLE_SSHFS_IMAGE"]
+    kubectl(*APPLY, "-f", str(EXAMPLES / "namespace.yaml"))
+    kubectl(*APPLY, "-f", "-", stdin=json.dumps(pod))
+    try:
+        failed = wait_pod(api, EXAMPLES_NS, name,
+                          lambda p: p["status"].get("phase") == "Failed", "Failed")
+        status = failed["status"]
+        proof = evidence("apparmor-refused", pod_summary(failed),
+                         f"reason={status.get('reason')} message={status.get('message')}",
+                         f"sent appArmorProfile {apparmor_fields(pod)}, stored "
+                         f"{apparmor_fields(failed)}")
+        assert status.get("reason") == "AppArmor", proof
+        assert "AppArmor is not enabled on the host" in status.get("message", ""), proof
+        assert not status.get("containerStatuses") or all(
+            "running" not in (c.get("state") or {}) for c in status["containerStatuses"]), proof
+        assert apparmor_fields(failed) == apparmor_fields(pod), proof
+    finally:
+        delete_pod(kubectl, api, EXAMPLES_NS, name)
 
 
 # ---------------------------------------------------------------- 3. the examples
@@ -428,3 +521,158 @@ def test_rollout_restart_completes(deployed: dict[str, Any], kubectl: Kubectl, a
                      f"restartedAt {stamp}", line)
     assert "successfully rolled out" in status, proof
     assert stamp, proof
+
+
+# ---------------------------------------------------------------- 6. Pod Security admission
+
+BASELINE_NS = "fdp-e2e-baseline"
+
+
+@pytest.mark.parametrize("host_users", [True, False], ids=["host-users", "user-namespace"])
+def test_pod_security_baseline_refuses_the_default_mode_pod(
+    cluster: Cluster, kubectl: Kubectl, api: Api, host_users: bool
+) -> None:
+    """Default mode's sshfs example (CAP_SYS_ADMIN, its own seccomp profile) sent to a
+    namespace labelled `pod-security.kubernetes.io/enforce: baseline`: the API server's
+    Pod Security admission refuses it with its own message, also as a user-namespaced
+    pod (`hostUsers: false` relaxes only the user rules, never added capabilities). That is
+    what broker mode is for."""
+    kubectl(*APPLY, "-f", "-", stdin=json.dumps({
+        "apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": BASELINE_NS, "labels": {
+            "pod-security.kubernetes.io/enforce": "baseline",
+            "pod-security.kubernetes.io/enforce-version": "latest"}}}))
+    pod = example_doc(SSHFS_FILE, "Pod")
+    pod["metadata"] = {"name": "sshfs-default-mode", "namespace": BASELINE_NS}
+    if not host_users:
+        pod["spec"]["hostUsers"] = False
+    out = kubectl.run(*APPLY, "-f", "-", stdin=json.dumps(pod), check=False)
+    said = (out.stderr or out.stdout).strip()
+    stored = [p["metadata"]["name"] for p in api.pods(BASELINE_NS)]
+    proof = evidence("pod-security", f"namespace {BASELINE_NS} enforce=baseline; "
+                     f"hostUsers={pod['spec'].get('hostUsers', True)}",
+                     f"kubectl apply: rc={out.returncode} {said}", f"pods stored: {stored}")
+    assert out.returncode != 0, proof
+    assert 'violates PodSecurity "baseline:latest"' in said, proof
+    assert "SYS_ADMIN" in said, proof
+    assert "sshfs-default-mode" not in stored, proof
+
+
+# ---------------------------------------------------------------- 7. CDI
+
+CDI_DIR = Path("/var/run/cdi")
+CDI_NS = "fdp-e2e-cdi"
+
+
+def cdi_specs() -> list[Path]:
+    """The CDI spec files on the node that name our resource."""
+    return sorted(f for f in CDI_DIR.glob("*.json") if RESOURCE in f.read_text())
+
+
+def cri_metadata(cluster: Cluster, pod: dict[str, Any]) -> str:
+    """What containerd recorded of the kubelet's CreateContainer request for the pod's
+    container (its CRI metadata extension, which holds the CDI device names)."""
+    cid = pod["status"]["containerStatuses"][0]["containerID"].split("://", 1)[1]
+    return cluster.ctr("containers", "info", cid)
+
+
+def test_cdi_answer_is_consumed_by_containerd(
+    *, deployed: dict[str, Any], cluster: Cluster, kubectl: Kubectl, api: Api, overlay: Path,
+    images: dict[str, str], tmp_path: Path
+) -> None:
+    """The `cdi` component (README: `kustomize edit add component cdi`): the plugin writes
+    its CDI spec into the node's /var/run/cdi and answers `github.com/fuse=fuse` with each
+    allocation; the kubelet passes the name in CreateContainer and containerd 2 resolves
+    it from the spec (a pod gets /dev/fuse, and containerd's record of the request names
+    the CDI device). With the spec file gone, containerd refuses the next pod's container
+    as an unresolvable CDI device: the name, not only the DeviceSpec, reaches it."""
+    with_cdi = tmp_path / "with-cdi"
+    shutil.copytree(overlay, with_cdi)
+    k = yaml.safe_load((with_cdi / "kustomization.yaml").read_text())
+    k["components"] = ["cdi"]
+    write_json(with_cdi / "kustomization.yaml", k)
+    kubectl(*APPLY, "-k", str(with_cdi))
+    try:
+        rolled = rollout(kubectl, PLUGIN_DS)
+        wait_allocatable(api, DEFAULT_SLOTS)
+        specs = wait_for(cdi_specs, 60, f"the plugin's CDI spec in {CDI_DIR}")
+        spec = json.loads(specs[0].read_text())
+        kubectl(*APPLY, "-f", "-", stdin=json.dumps({
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": CDI_NS}}))
+        first = fuse_pod("cdi-a", images["WORKLOAD_IMAGE"])
+        first["metadata"]["namespace"] = CDI_NS
+        kubectl(*APPLY, "-f", "-", stdin=json.dumps(first))
+        running = wait_ready(api, CDI_NS, "cdi-a")
+        recorded = cri_metadata(cluster, running)
+        dev = exec_in(kubectl, CDI_NS, "cdi-a", "ls -l /dev/fuse")
+        saved = specs[0].read_bytes()
+        specs[0].unlink()
+        second = fuse_pod("cdi-b", images["WORKLOAD_IMAGE"])
+        second["metadata"]["namespace"] = CDI_NS
+        kubectl(*APPLY, "-f", "-", stdin=json.dumps(second))
+
+        def refused() -> str | None:
+            text = events_text(api, CDI_NS, "cdi-b")
+            return text if "CDI" in text and "unresolvable" in text else None
+
+        why = wait_for(refused, 90, "containerd to refuse the CDI device without its spec",
+                       detail=lambda: events_text(api, CDI_NS, "cdi-b"))
+        specs[0].write_bytes(saved)
+        proof = evidence(
+            "cdi", rolled, f"{specs[0]}: kind {spec['kind']}, devices "
+            f"{[d['name'] for d in spec['devices']]}, cdiVersion {spec['cdiVersion']}",
+            pod_summary(running), f"in the pod: {dev}",
+            "containerd's record of CreateContainer: " + " ".join(
+                re.findall(r'"CDIDevices":\s*\[[^\]]*\]', recorded.replace("\n", ""))),
+            f"spec removed, second pod: {why.strip().splitlines()[-1]}")
+        assert spec["kind"] == RESOURCE, proof
+        assert "crw" in dev, proof
+        assert f"{RESOURCE}=fuse" in recorded, proof
+        assert "unresolvable CDI devices" in why, proof
+        assert f"{RESOURCE}=fuse" in why, proof
+    finally:
+        kubectl("delete", "namespace", CDI_NS, "--ignore-not-found", "--wait=true",
+                timeout=180)
+        kubectl(*APPLY, "-k", str(overlay))
+        rollout(kubectl, PLUGIN_DS)
+        wait_allocatable(api, DEFAULT_SLOTS)
+
+
+# ---------------------------------------------------------------- 8. default mode, user namespace
+
+USERNS_POD = "sshfs-userns-default"
+
+
+def test_default_mode_in_a_user_namespace(
+    *, deployed: dict[str, Any], servers: Servers, kubectl: Kubectl, api: Api,
+    images: dict[str, str], tmp_path: Path
+) -> None:
+    """The default-mode sshfs example with `hostUsers: false`, in its `privileged`
+    namespace: the kubelet and containerd 2 give the pod a user namespace of its own (its
+    root is an unprivileged uid range of the node), CAP_SYS_ADMIN counts only inside it,
+    and FUSE, which the kernel lets a user namespace mount, still works: data both ways.
+    What it cannot do: pass `baseline` (test_pod_security_baseline_refuses...), and open
+    /dev/fuse on a node whose node is 0600 (the containers stage's test_userns)."""
+    apply_sshfs_example(kubectl, servers, images, tmp_path, name=USERNS_POD,
+                        spec={"hostUsers": False})
+    try:
+        mount = wait_mounted(kubectl, api, USERNS_POD, "/mnt/remote", "fuse.sshfs")
+        [pod] = [p for p in api.pods(EXAMPLES_NS) if p["metadata"]["name"] == USERNS_POD]
+        uid_map = exec_in(kubectl, EXAMPLES_NS, USERNS_POD, "cat /proc/self/uid_map")
+        token = uuid.uuid4().hex
+        exec_in(kubectl, SERVERS_NS, "sshd", f"echo userns-{token} > /srv/data/userns.txt")
+        read = exec_in(kubectl, EXAMPLES_NS, USERNS_POD, "cat /mnt/remote/userns.txt")
+        exec_in(kubectl, EXAMPLES_NS, USERNS_POD, f"echo back-{token} > /mnt/remote/back.txt")
+        back = exec_in(kubectl, SERVERS_NS, "sshd", "cat /srv/data/back.txt")
+        inside, host, count = (int(x) for x in uid_map.split()[:3])
+        proof = evidence("userns-default", pod_summary(pod),
+                         f"stored hostUsers={pod['spec'].get('hostUsers')}",
+                         f"uid_map: {uid_map.strip()}", mount, f"server -> pod: {read}",
+                         f"pod -> server: {back}")
+        assert pod["spec"].get("hostUsers") is False, proof
+        assert (inside, count) == (0, 65536), proof
+        assert host >= 65536, proof
+        assert read == f"userns-{token}", proof
+        assert back == f"back-{token}", proof
+    finally:
+        delete_sshfs_example(kubectl, api, USERNS_POD)
