@@ -117,6 +117,9 @@ class FakeApiServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # Headers and body are two writes: with Nagle's algorithm the body waits for
+            # the client's delayed ACK (40 ms), which no real API server makes a client do.
+            disable_nagle_algorithm = True
 
             def log_message(self, format: str, *args: Any) -> None:
                 """Quiet: the tests read ``requests``."""
