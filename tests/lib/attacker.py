@@ -19,6 +19,9 @@ going through the shim. Every command prints one JSON object on stdout.
                                                  never answered; hold until stdin ends
     attacker.py pass-fd FILE SOCKET              open FILE, and hand it (SCM_RIGHTS) to
                                                  whoever connects to SOCKET
+    attacker.py ask-later [--fuse] FIELD=VALUE... connect (and open /dev/fuse), say so,
+                                                 send the request once a line arrives on
+                                                 stdin, print the answer
     attacker.py ask-with-fd SOCKET N FIELD=VALUE...
                                                  take an fd from SOCKET, then ask N times
                                                  naming it as fuse_fd
@@ -421,6 +424,17 @@ def cmd_ask_with_fd(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def cmd_ask_later(args: argparse.Namespace) -> dict[str, Any]:
+    """Connected first, asking later: whatever the broker opens at accept is open, and
+    what it opens for the request is not yet, while the test changes the broker."""
+    fd = open_fuse() if args.fuse else None
+    sock = connect()
+    print(json.dumps({"connected": True}), flush=True)
+    sys.stdin.readline()
+    with sock:
+        return send(sock, with_fuse([f"v={VERSION}", *args.fields], fd))
+
+
 def mountpoint_of(mount_id: str) -> str:
     with open("/proc/self/mountinfo") as table:
         for line in table:
@@ -428,6 +442,24 @@ def mountpoint_of(mount_id: str) -> str:
             if fields[0] == mount_id:
                 return fields[4].replace("\\040", " ")
     raise LookupError(f"mount {mount_id} is not in this namespace")
+
+
+def add_fuse_commands(sub: Any) -> None:
+    """The commands around a FUSE stub and descriptors handed between tenants."""
+    serve = sub.add_parser("serve")
+    serve.add_argument("mountpoint")
+    serve.add_argument("record")
+    serve.add_argument("--no-flush", action="store_true")
+    pass_fd = sub.add_parser("pass-fd")
+    pass_fd.add_argument("file")
+    pass_fd.add_argument("socket")
+    later = sub.add_parser("ask-later")
+    later.add_argument("--fuse", action="store_true")
+    later.add_argument("fields", nargs="+")
+    with_fd = sub.add_parser("ask-with-fd")
+    with_fd.add_argument("socket")
+    with_fd.add_argument("n", type=int)
+    with_fd.add_argument("fields", nargs="+")
 
 
 def main() -> int:
@@ -464,23 +496,13 @@ def main() -> int:
     race_swap = sub.add_parser("swap-race")
     race_swap.add_argument("dir")
     race_swap.add_argument("iterations", type=int)
-    serve = sub.add_parser("serve")
-    serve.add_argument("mountpoint")
-    serve.add_argument("record")
-    serve.add_argument("--no-flush", action="store_true")
-    pass_fd = sub.add_parser("pass-fd")
-    pass_fd.add_argument("file")
-    pass_fd.add_argument("socket")
-    with_fd = sub.add_parser("ask-with-fd")
-    with_fd.add_argument("socket")
-    with_fd.add_argument("n", type=int)
-    with_fd.add_argument("fields", nargs="+")
+    add_fuse_commands(sub)
     args = parser.parse_args()
     commands = {"ask": cmd_ask, "chroot-ask": cmd_chroot_ask, "chroot-race": cmd_chroot_race,
                 "rename-race": cmd_rename_race, "hold": cmd_hold, "silent": cmd_silent,
                 "descriptors": cmd_descriptors, "pin-and-hide": cmd_pin_and_hide,
                 "swap-race": cmd_swap_race, "serve": cmd_serve, "pass-fd": cmd_pass_fd,
-                "ask-with-fd": cmd_ask_with_fd}
+                "ask-with-fd": cmd_ask_with_fd, "ask-later": cmd_ask_later}
     print(json.dumps(commands[args.command](args)), flush=True)
     if args.command in ("hold", "silent", "descriptors", "pin-and-hide", "serve", "pass-fd"):
         sys.stdin.read()  # hold until the test closes our stdin

@@ -1,0 +1,123 @@
+"""Look before you take (issue 26).
+
+Container A serves a FUSE stub that answers everything but FLUSH, opens a file in it and
+hands that descriptor (SCM_RIGHTS, over a socket in a directory A and B share) to
+container B, which names it as its ``fuse_fd`` 400 times. The old helper took each
+descriptor to look at it; closing it waited on A's daemon for a FLUSH that never came, so
+every helper stayed alive, holding the broker's descriptors (1,600 helpers and 3,215
+broker descriptors with four Bs in the issue's run). Now the helper judges the
+descriptor from /proc (its fdinfo and the caller's mount table) without taking it: every
+request is refused, A's daemon never hears a FLUSH from the broker, no helper is left and
+the broker's descriptors are back where they were.
+
+Both containers have containerd's default capabilities and the real RuntimeDefault rules.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fuse_plugin.api import api_pb2 as api
+from tests.lib import broker as broker_rig
+from tests.lib import oci, profiles, waiting, workloads
+from tests.lib.broker import ATTACKER_IN_CONTAINER, BrokerProcess, Held, attack
+
+ASKS = 400
+FUSE_FLUSH = 25
+RECORD = "/tmp/requests.jsonl"
+
+
+@pytest.fixture
+def watched(broker_dir: Path, tmp_path: Path) -> Iterator[BrokerProcess]:
+    broker = BrokerProcess(broker_dir, tmp_path / "broker", broker_rig.shim())
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+def helpers_of(pid: int) -> list[int]:
+    """The broker's child processes (its helpers), zombies included."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def fds_of(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.parametrize(("whose", "why"), [
+    ("another's", "its mount is not in the caller's namespace"),
+    ("its own", "it is a file in a FUSE mount"),
+])
+def test_a_descriptor_in_a_fuse_mount_is_never_taken(
+        watched: BrokerProcess, broker_allocation: api.ContainerAllocateResponse,
+        tmp_path: Path, whose: str, why: str) -> None:
+    """B names A's file (another tenant's FUSE mount), or A names its own."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    request = oci.ContainerRequest(
+        args=workloads.HOLD, allocation=broker_allocation, seccomp=profiles.runtime_default(),
+        binds=[broker_rig.attacker_bind(), oci.Bind(shared, "/shared")])
+    with oci.Runc() as runc:
+        a = runc.create(oci.build_spec(request), "giver").start()
+        b = runc.create(oci.build_spec(request), "taker").start()
+        for container in (a, b):
+            container.sh("mkdir -p /mnt/stub /mnt/b").check()
+        stub = Held(a, "serve", "/mnt/stub", RECORD, "--no-flush")
+        assert stub.answer["status"] == "ok"
+        giver = Held(a, "pass-fd", "/mnt/stub/file", "/shared/fd.sock")
+        if whose == "its own":
+            b = a
+        baseline = fds_of(watched.pid)
+        # B's process keeps the descriptor until it exits, and its own close waits on
+        # A's FLUSH: its answer is read first, and it exits once A's stub is gone.
+        taker = subprocess.Popen(
+            b.runc.command("exec", b.id, "python3", ATTACKER_IN_CONTAINER, "ask-with-fd",
+                           "/shared/fd.sock", str(ASKS), "op=mount", "path=/mnt/b"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        b.daemons.append(taker)
+        assert taker.stdout is not None
+        line = taker.stdout.readline()
+        tally: dict[str, Any] = json.loads(line)
+        try:
+            assert tally["counts"] == {"error": ASKS}, tally
+            [message] = tally["messages"]
+            assert f"is not /dev/fuse opened for reading and writing ({why})" in message
+            waiting.wait_for(lambda: helpers_of(watched.pid) == [], 30,
+                             "every helper to have exited",
+                             detail=lambda: f"alive: {helpers_of(watched.pid)}")
+            waiting.wait_for(lambda: fds_of(watched.pid) <= baseline, 30,
+                             f"the broker's descriptors back to {baseline}",
+                             detail=lambda: f"now {fds_of(watched.pid)}")
+            flushes = [r for r in requests_seen(a) if r["opcode"] == FUSE_FLUSH]
+            assert flushes == [], "the broker's helper took and closed the file"
+            assert watched.events("broker.stalled") == []
+        finally:
+            stub.release()  # A's daemon goes: the waiting closes end
+            taker.wait(30)
+            giver.release()
+        # B is still served for what it may have.
+        answer = attack(b, "ask", "--fuse", "op=mount", "path=/mnt/b")
+        assert answer["status"] == "ok", answer
+
+
+def requests_seen(container: oci.RuncContainer) -> list[dict[str, Any]]:
+    path = Path(f"/proc/{container.pid}/root{RECORD}")
+    return [json.loads(line) for line in path.read_text().splitlines()]
