@@ -123,7 +123,7 @@ class ApiClaims:
 
     def get(self, namespace: str, name: str) -> Mapping[str, Any]:
         import httpx2
-        from lightkube import ApiError
+        from lightkube import ApiError, ConfigError
 
         from fuse_plugin.dra.resources import ResourceClaim
 
@@ -132,7 +132,8 @@ class ApiClaims:
         except ApiError as err:
             raise ClaimError(f"cannot read claim {namespace}/{name} from the API server: "
                              f"{err.status.code} {err.status.message}") from None
-        except (httpx2.HTTPError, OSError) as err:  # unreachable, timed out, bad answer
+        except (httpx2.HTTPError, OSError, ConfigError) as err:  # unreachable, timed out,
+            # a bad answer, the service account's token file gone
             raise ClaimError(f"cannot read claim {namespace}/{name} from the API server: "
                              f"{type(err).__name__}: {err}") from None
         return dict(claim)

@@ -26,6 +26,8 @@ def client(field_manager: str) -> Any:
 
     try:
         return Client(field_manager=field_manager)
+    except KeyError as err:  # a service account token without the service's address
+        raise Failure(f"no Kubernetes API address: ${err.args[0]} is not set") from None
     except ConfigError as err:
         raise Failure(f"no Kubernetes API configuration (in-cluster service account or "
                       f"KUBECONFIG): {err}") from None

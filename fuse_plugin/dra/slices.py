@@ -140,6 +140,11 @@ class Publisher:
             logs.event(self._log, "slice.sync_failed", logging.WARNING, slice=self.name,
                        error=str(err))
             ok = False
+        except Exception as err:  # a bug or an odd answer: the loop must go on, retrying
+            self.last_error = f"internal error: {type(err).__name__}: {err}"
+            logs.event(self._log, "slice.sync_failed", logging.ERROR, slice=self.name,
+                       error=self.last_error)
+            ok = False
         else:
             self.last_error = ""
             ok = True
@@ -213,13 +218,13 @@ class LightkubeSlices:
 
     def _call(self, what: str, call: Any) -> Any:
         import httpx2
-        from lightkube import ApiError
+        from lightkube import ApiError, ConfigError
 
         try:
             return call()
         except ApiError as err:
             raise ApiFailure(f"{what}: {err.status.code} {err.status.message}") from None
-        except (httpx2.HTTPError, OSError) as err:
+        except (httpx2.HTTPError, OSError, ConfigError) as err:
             raise ApiFailure(f"{what}: {type(err).__name__}: {err}") from None
 
     def node_uid(self, node: str) -> str | None:

@@ -6,14 +6,17 @@ drops allowMultipleAllocations, and API failures reported, not raised."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
+from fuse_plugin import logs
+from fuse_plugin.devices import DeviceState
 from fuse_plugin.dra.settings import DRIVER_NAME
-from fuse_plugin.dra.slices import slice_name
+from fuse_plugin.dra.slices import Publisher, slice_name
 from tests.lib import apiserver
 from tests.lib.apiserver import FakeApiServer
 from tests.lib.dra import NODE, FlipProber, running_driver, short_dir
@@ -179,3 +182,30 @@ def test_unhealthy_at_start_publishes_an_empty_pool(api: FakeApiServer) -> None:
     with running_driver(api, prober=FlipProber(healthy=False)):
         assert device_names(api) == []
         assert the_slice(api)["spec"]["pool"]["generation"] == 1
+
+
+class _Broken:
+    """A SliceApi whose every call fails in a way no one planned for."""
+
+    def node_uid(self, node: str) -> str | None:
+        raise RuntimeError("surprise")
+
+    def list_slices(self, driver: str, node: str) -> list[dict[str, Any]]:
+        raise RuntimeError("surprise")
+
+    def create(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        raise RuntimeError("surprise")
+
+    def replace(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        raise RuntimeError("surprise")
+
+    def delete(self, name: str) -> None:
+        raise RuntimeError("surprise")
+
+
+def test_an_unexpected_error_is_reported_and_the_loop_goes_on() -> None:
+    state = DeviceState(Path("/dev/fuse"), 1, FlipProber())
+    publisher = Publisher(_Broken(), driver=DRIVER_NAME, node=NODE, slots=1, sharing="auto",
+                          state=state, log=logs.get())
+    assert not publisher.sync()
+    assert publisher.last_error == "internal error: RuntimeError: surprise"
