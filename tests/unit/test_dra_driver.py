@@ -4,6 +4,7 @@ claims, refusals with their messages, idempotence, and the CDI specs on disk."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
@@ -21,6 +22,8 @@ from fuse_plugin.errors import Failure
 from tests.lib import apiserver
 from tests.lib.apiserver import FakeApiServer, claim, opaque
 from tests.lib.dra import Rig, running_driver, short_dir
+from tests.lib.servers import free_port
+from tests.lib.waiting import wait_for
 
 SCHEMA = json.loads((Path(__file__).parent / "data" / "cdi-spec.schema.json").read_text())
 KIND = f"{DRIVER_NAME}/fuse"
@@ -261,3 +264,31 @@ def test_stale_sockets_are_replaced_and_a_live_one_is_refused(api: FakeApiServer
             pass
     assert not settings.service_socket.exists()
     assert not settings.registration_socket.exists()
+
+
+def probe(port: int, path: str) -> tuple[int, str]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        connection.request("GET", path)
+        answer = connection.getresponse()
+        return answer.status, answer.read().decode().strip()
+    finally:
+        connection.close()
+
+
+def test_probes_say_alive_and_ready_with_the_reason(api: FakeApiServer) -> None:
+    with running_driver(api, probe_port=free_port(), probe_address="127.0.0.1") as rig:
+        port = rig.driver.probe_port
+        assert port is not None
+        assert probe(port, "/healthz") == (200, "ok")
+        assert probe(port, "/readyz") == (503, "not registered with the kubelet")
+        rig.kubelet.notify(True)
+        assert probe(port, "/readyz") == (200, "ready")
+        rig.prober.healthy = False
+        rig.driver.wake()
+        wait_for(lambda: probe(port, "/readyz")[0] == 503, 10, "readyz to turn 503")
+        assert "device unhealthy" in probe(port, "/readyz")[1]
+        rig.settings.registration_socket.unlink()
+        status, reason = probe(port, "/healthz")
+        assert status == 503
+        assert reason.endswith("is gone")
