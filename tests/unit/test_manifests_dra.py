@@ -162,6 +162,15 @@ def test_daemonset_flags_parse_and_mounts_cover_every_path_the_driver_uses() -> 
     assert not spec.get("hostPID")
 
 
+def test_network_policy_closes_ingress_to_the_driver() -> None:
+    policy = one(DRA / "network-policy.yaml", "NetworkPolicy")
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    labels = DAEMONSET["spec"]["template"]["metadata"]["labels"]
+    assert selected.items() <= labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert "ingress" not in policy["spec"]  # none allowed
+
+
 def test_device_class_selects_the_driver_and_serves_the_resource_name() -> None:
     assert CLASS["spec"]["extendedResourceName"] == DEFAULT_RESOURCE_NAME
     (selector,) = CLASS["spec"]["selectors"]
