@@ -126,7 +126,8 @@ class Preparer:
             else self._prober
         result = prober(self._device)
         if result.health is not Health.HEALTHY:
-            hint = " (deploy manifests/broker on this node)" if found.mode == "broker" else ""
+            hint = " (deploy manifests/broker on this node)" \
+                if result.reason.startswith("broker mode") else ""
             raise ClaimError(f"claim {claim}: {result.reason}{hint}")
 
     def unprepare(self, uid: str) -> None:
