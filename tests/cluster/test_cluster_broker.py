@@ -641,26 +641,112 @@ def test_restricted_example_mounts_sshfs_as_uid_1000(
 # ---------------------------------------------------------------- 6. hostUsers: false
 
 
-def test_old_api_server_cannot_run_the_userns_variant(
-    cluster: Cluster, kubectl: Kubectl, api: Api
+USERNS = Example(USERNS_FILE, "namespace-restricted.yaml", "EXAMPLE_SSHFS_NONROOT_IMAGE")
+# The same pod as the user namespace's root, in the baseline namespace (restricted asks
+# for runAsNonRoot; whether a user-namespaced pod is excused is a Pod Security option).
+USERNS_ROOT_NAME = "sshfs-userns-root"
+USERNS_ROOT_CONTEXT = {"runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False}
+
+
+def userns_overlay(tmp: Path, servers: Servers, images: dict[str, str],
+                   as_root: bool) -> tuple[Path, str, str]:
+    """manifests/broker/examples/sshfs-userns-pod.yaml as its comment tells a user to apply
+    it (after sshfs-restricted-pod.yaml, whose Secret it uses), filled in as the other
+    examples are; as_root: the variant run as the namespace's root. Returns the overlay,
+    the pod's namespace and name."""
+    dst = tmp / ("userns-root" if as_root else "userns")
+    dst.mkdir(parents=True)
+    pod = USERNS.pod
+    namespace = BASELINE.namespace if as_root else USERNS.namespace
+    name = USERNS_ROOT_NAME if as_root else USERNS.name
+    secret = RESTRICTED.doc("Secret") | {"metadata": {
+        **RESTRICTED.doc("Secret")["metadata"], "namespace": namespace}}
+    container = pod["spec"]["containers"][0]
+    write_json(dst / "secret.json", secret)
+    shutil.copy(BROKER_EXAMPLES / USERNS_FILE, dst / USERNS_FILE)
+    edits: list[dict[str, Any]] = [{"op": "add", "path": "/spec/containers/0/env/0/value",
+                                    "value": f"root@{servers.sshd_ip}:/srv/data"}]
+    if as_root:
+        edits += [{"op": "replace", "path": "/metadata/name", "value": name},
+                  {"op": "replace", "path": "/metadata/namespace", "value": namespace},
+                  *({"op": "replace", "path": f"/spec/containers/0/securityContext/{k}",
+                     "value": v} for k, v in USERNS_ROOT_CONTEXT.items())]
+    name_, _, tag = images[USERNS.image_key].rpartition(":")
+    write_json(dst / "kustomization.yaml", {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": ["secret.json", USERNS_FILE],
+        "images": [{"name": container["image"], "newName": name_, "newTag": tag}],
+        "patches": [
+            {"patch": json.dumps({"apiVersion": "v1", "kind": "Secret",
+                                  "metadata": secret["metadata"],
+                                  "stringData": {"id_ed25519": servers.client_key,
+                                                 "known_hosts": f"{servers.sshd_ip} "
+                                                 f"{servers.host_key_pub}\n"}})},
+            {"target": {"kind": "Pod", "name": USERNS.name}, "patch": json.dumps(edits)},
+        ],
+    })
+    return dst, namespace, name
+
+
+@pytest.mark.parametrize("as_root", [False, True], ids=["uid-1000", "pod-root"])
+def test_userns_example_mounts_through_the_broker(
+    *, broker_deployed: dict[str, Any], servers: Servers, kubectl: Kubectl, api: Api,
+    images: dict[str, str], tmp_path: Path, as_root: bool
 ) -> None:
-    """manifests/broker/examples/sshfs-userns-pod.yaml (`hostUsers: false`, 1.25+) against
-    the 1.20 API server, as a server-side dry run: kubectl refuses the unknown field, and
-    with validation off the server keeps the pod without it, so it would run with the
-    node's users. That is why it is not in the examples' kustomization."""
-    path = BROKER_EXAMPLES / USERNS_FILE
-    [sent] = _docs(USERNS_FILE)
-    kubectl(*APPLY, "-f", str(BROKER_EXAMPLES / RESTRICTED.namespace_file))
-    strict = kubectl.run("apply", "--dry-run=server", "-f", str(path), check=False)
-    loose = kubectl("apply", "--validate=false", "--dry-run=server", "-f", str(path),
-                    "-o", "json")
-    kept = json.loads(loose)["spec"]
-    proof = evidence(
-        "broker-userns", f"sent spec.hostUsers={sent['spec']['hostUsers']}",
-        f"kubectl apply: rc={strict.returncode} {(strict.stderr or strict.stdout).strip()}",
-        f"kubectl apply --validate=false: the server keeps hostUsers="
-        f"{kept.get('hostUsers', '(dropped)')}")
-    assert sent["spec"]["hostUsers"] is False, proof
-    assert strict.returncode != 0, proof
-    assert "hostUsers" in strict.stderr, proof
-    assert "hostUsers" not in kept, proof
+    """manifests/broker/examples/sshfs-userns-pod.yaml (`hostUsers: false`) admitted in its
+    `restricted` namespace, and its variant as the user namespace's root in the `baseline`
+    one: the pod runs in a user namespace of its own (uid_map 0 -> an unprivileged range
+    of the node), the broker enters it and mounts as the caller, data moves both ways,
+    the files and the mount's owner are the caller's as the pod sees them, and
+    `fusermount3 -u` unmounts."""
+    for f in (RESTRICTED.namespace_file, BASELINE.namespace_file):
+        kubectl(*APPLY, "-f", str(BROKER_EXAMPLES / f))
+    overlay, namespace, name = userns_overlay(tmp_path, servers, images, as_root)
+    kubectl(*APPLY, "-k", str(overlay))
+    uid = 0 if as_root else 1000
+    try:
+        try:
+            mounted = wait_mounted(kubectl, api, name, MOUNTPOINT, "fuse.sshfs",
+                                   namespace=namespace)
+        except Timeout as exc:
+            raise Timeout(f"{exc}\n{component_logs(kubectl, api)}") from None
+        [pod] = [p for p in api.pods(namespace) if p["metadata"]["name"] == name]
+
+        def sh(script: str) -> str:
+            return exec_in(kubectl, namespace, name, script)
+
+        level = yaml.safe_load(kubectl("get", "namespace", namespace, "-o", "yaml"))[
+            "metadata"]["labels"][LEVEL_LABEL]
+        uid_map = sh("cat /proc/self/uid_map").split()
+        ident = sh("id -u; id -g")
+        line = next((ln for ln in sh(f"grep ' {MOUNTPOINT} ' /proc/self/mountinfo")
+                     .splitlines() if " fuse." in ln), "")
+        token = uuid.uuid4().hex[:12]
+        exec_in(kubectl, SERVERS_NS, "sshd", f"echo in-{token} > /srv/data/userns-in.txt")
+        read = sh(f"cat {MOUNTPOINT}/userns-in.txt")
+        sh(f"echo out-{token} > {MOUNTPOINT}/userns-out.txt")
+        back = exec_in(kubectl, SERVERS_NS, "sshd", "cat /srv/data/userns-out.txt")
+        owners = sh(f"stat -c '%u:%g' {MOUNTPOINT}/userns-in.txt {MOUNTPOINT}/userns-out.txt")
+        mounts = broker_lines(kubectl, api, "broker.mount", pod["metadata"]["uid"])
+        gone = sh(f"fusermount3 -u {MOUNTPOINT}; echo fusermount3 -u rc=$?")
+        proof = evidence(
+            f"broker-userns-{'root' if as_root else 'uid-1000'}",
+            f"namespace {namespace}: {LEVEL_LABEL}={level}", pod_summary(pod),
+            f"stored hostUsers={pod['spec'].get('hostUsers')}",
+            f"uid_map {' '.join(uid_map)}; id -u, -g: {ident.split()}", mounted,
+            f"mountinfo: {line}", f"server -> pod: {read}", f"pod -> server: {back}",
+            f"owners as the pod sees them: {owners.split()}", *mounts, gone,
+        ) + "\n" + component_logs(kubectl, api)
+        assert level == ("baseline" if as_root else "restricted"), proof
+        assert pod["spec"].get("hostUsers") is False, proof
+        assert (uid_map[0], uid_map[2]) == ("0", "65536"), proof
+        assert int(uid_map[1]) >= 65536, proof
+        assert ident.split() == [str(uid), str(uid)], proof
+        assert f"user_id={uid}" in line, proof
+        assert read == f"in-{token}", proof
+        assert back == f"out-{token}", proof
+        assert owners.split() == [f"{uid}:{uid}"] * 2, proof
+        assert len(mounts) == 1, proof
+        assert "rc=0" in gone, proof
+    finally:
+        delete_pod(kubectl, api, namespace, name)

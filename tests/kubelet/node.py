@@ -252,6 +252,11 @@ class Node:
             cni_conf,
         ]:
             d.mkdir(parents=True, exist_ok=True)
+        # A user-namespaced container's root (an unprivileged uid of the node) must pass
+        # through these to reach its rootfs under containerd's state; podman, which the
+        # cluster stage's images.sh runs with a runroot in the state dir, makes it 0700.
+        for d in (self.state, self.state / "containerd"):
+            d.chmod(0o711)
         cfg = self.state / "containerd.toml"
         self.render(
             HERE / "containerd.toml.in",

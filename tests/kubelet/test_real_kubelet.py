@@ -42,6 +42,7 @@ from tests.kubelet.static_pods import (
 )
 
 # The kubelet's line when the Node's capacity of our resource changes (1.37's wording).
+ENDED = r'ListAndWatch ended unexpectedly for device plugin".* resource="github.com/fuse"'
 CAPACITY = r'Updated capacity for device plugin" plugin="github.com/fuse" capacity=\d+'
 
 
@@ -414,9 +415,7 @@ def test_plugin_sigkill_and_restart(kube_node: Any) -> None:
     kube_node.stop("plugin", sig=signal.SIGKILL)
     # The kubelet sees the plugin gone.
     gone = nodemod.wait_for(
-        lambda: kubelet_lines(
-            since, r'ListAndWatch ended unexpectedly for device plugin".* resource="github.com/fuse"'
-        ),
+        lambda: kubelet_lines(since, ENDED),
         30,
         "the kubelet to notice the killed plugin",
         detail=lambda: nodemod.tail(KUBELET_LOG),
