@@ -45,8 +45,19 @@ class FlipProber:
 
 
 def short_dir() -> Path:
-    """A temp dir short enough for unix socket paths (pytest's tmp_path may not be)."""
+    """A temp dir short enough for unix socket paths (pytest's tmp_path may not be); the
+    caller removes it (``short_root``)."""
     return Path(tempfile.mkdtemp(prefix="dra", dir="/tmp"))
+
+
+@contextmanager
+def short_root() -> Iterator[Path]:
+    """``short_dir``, removed afterwards: for tests that run the driver twice in one dir."""
+    root = short_dir()
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def settings_in(root: Path, **changes: Any) -> DraSettings:

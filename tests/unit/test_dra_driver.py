@@ -21,13 +21,19 @@ from fuse_plugin.dra.settings import DRIVER_NAME
 from fuse_plugin.errors import Failure
 from tests.lib import apiserver
 from tests.lib.apiserver import FakeApiServer, claim, opaque
-from tests.lib.dra import Rig, running_driver, short_dir
+from tests.lib.dra import Rig, running_driver, short_root
 from tests.lib.servers import free_port
 from tests.lib.waiting import wait_for
 
 SCHEMA = json.loads((Path(__file__).parent / "data" / "cdi-spec.schema.json").read_text())
 KIND = f"{DRIVER_NAME}/fuse"
 NS = "team-a"
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    with short_root() as path:
+        yield path
 
 
 @pytest.fixture
@@ -249,8 +255,8 @@ def test_api_server_unreachable_is_a_per_claim_error(api: FakeApiServer) -> None
         assert error.startswith("cannot read claim team-a/down from the API server: 503")
 
 
-def test_stale_sockets_are_replaced_and_a_live_one_is_refused(api: FakeApiServer) -> None:
-    root = short_dir()
+def test_stale_sockets_are_replaced_and_a_live_one_is_refused(api: FakeApiServer,
+                                                               root: Path) -> None:
     with running_driver(api, publish=False, root=root) as rig:
         settings = rig.settings
     # Stale: a socket file nobody serves (a driver killed with SIGKILL).

@@ -19,10 +19,16 @@ from fuse_plugin.dra.settings import DRIVER_NAME
 from fuse_plugin.dra.slices import Publisher, slice_name
 from tests.lib import apiserver
 from tests.lib.apiserver import FakeApiServer
-from tests.lib.dra import NODE, FlipProber, running_driver, short_dir
+from tests.lib.dra import NODE, FlipProber, running_driver, short_root
 
 NAME = slice_name(NODE, DRIVER_NAME)
 WAIT = 10.0
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    with short_root() as path:
+        yield path
 
 
 @pytest.fixture
@@ -83,10 +89,9 @@ def test_device_gone_empties_the_slice_and_back_restores_it(api: FakeApiServer) 
         assert [verb for verb, _, _ in api.writes] == ["create", "update", "update"]
 
 
-def test_device_node_removed_on_disk_updates_the_slice(api: FakeApiServer) -> None:
+def test_device_node_removed_on_disk_updates_the_slice(api: FakeApiServer, root: Path) -> None:
     """The inotify watch on the device's directory wakes the loop: no wake() here."""
     api.add_node(NODE)
-    root = short_dir()
     with running_driver(api, root=root, prober=None) as rig:
         seen = len(api.writes)
         rig.prober.healthy = False
@@ -96,10 +101,10 @@ def test_device_node_removed_on_disk_updates_the_slice(api: FakeApiServer) -> No
 
 
 @pytest.mark.parametrize("slots", [1000, 1500, 100_000])
-def test_restart_with_nothing_changed_writes_nothing(api: FakeApiServer, slots: int) -> None:
+def test_restart_with_nothing_changed_writes_nothing(api: FakeApiServer, root: Path,
+                                                     slots: int) -> None:
     """Also when the server writes the capacity back in another form ("1k")."""
     api.add_node(NODE)
-    root = short_dir()
     with running_driver(api, root=root, slots=slots):
         pass
     writes = len(api.writes)
