@@ -193,8 +193,10 @@ class Publisher:
             written = self._api.replace(body)
             verb = "slice.updated"
         self.published = written
+        names = [d["name"] for d in wanted["devices"]]
+        shown = names if len(names) <= 4 else f"{names[0]}..{names[-1]} ({len(names)})"
         logs.event(self._log, verb, slice=self.name, generation=wanted["pool"]["generation"],
-                   devices=[d["name"] for d in wanted["devices"]], sharing=self.sharing)
+                   devices=shown, sharing=self.sharing)
         if self._dropped_sharing(written):
             self.sharing = "counted"
             self._fallback = False
