@@ -232,13 +232,14 @@ def rollout(kubectl: Kubectl, ds: str) -> str:
 
 def wait_mounted(kubectl: Kubectl, api: Api, pod: str, mountpoint: str, fstype: str, *,
                  namespace: str = EXAMPLES_NS) -> str:
-    """Wait until the pod's container has its FUSE mount; returns the /proc/mounts line."""
+    """Wait until the pod's container has its FUSE mount; returns its /proc/mounts line
+    (not the volume's beneath it)."""
     def seen() -> str | None:
         p = [x for x in api.pods(namespace) if x["metadata"]["name"] == pod]
         if not p or p[0].get("status", {}).get("phase") != "Running":
             return None
         out = exec_in(kubectl, namespace, pod, f"grep ' {mountpoint} ' /proc/mounts")
-        return out if fstype in out else None
+        return "\n".join(ln for ln in out.splitlines() if f" {fstype} " in ln) or None
 
     def detail() -> str:
         p = [x for x in api.pods(namespace) if x["metadata"]["name"] == pod]
