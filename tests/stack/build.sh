@@ -26,7 +26,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 FDP_CACHE="${FDP_CACHE:-/var/cache/fuse-device-plugin}"
 # shellcheck source=versions.env
 . "$HERE/versions.env"
-KEY="$( (cat "$HERE/versions.env" "$HERE/build.sh") | sha256sum | cut -c1-12)"
+KEY="$( (cat "$HERE/versions.env" "$HERE/build.sh" "$HERE/etcd/main.go") | sha256sum | cut -c1-12)"
 OUT="$FDP_CACHE/stack/$KEY"
 BIN="$OUT/bin"
 
@@ -94,20 +94,7 @@ kubernetes() {
 etcd() {
     local dir
     dir="$(printf 'module fdp.local/etcd\ngo %s\nrequire go.etcd.io/etcd/server/v3 %s\n' "$GO_MIN" "$ETCD" | wrapper etcd)"
-    # etcd's own main package lives in a module that replaces its siblings by path; its
-    # entry point is server/v3's etcdmain, which a three-line main calls the same way.
-    cat > "$dir/main.go" <<'GO'
-// Command etcd runs go.etcd.io/etcd/server/v3's etcdmain, as etcd's own main does.
-package main
-
-import (
-	"os"
-
-	"go.etcd.io/etcd/server/v3/etcdmain"
-)
-
-func main() { etcdmain.Main(os.Args) }
-GO
+    cp "$HERE/etcd/main.go" "$dir/main.go"
     CGO_ENABLED=0 build etcd "$dir" . -ldflags "-s -w"
 }
 

@@ -31,6 +31,10 @@ PYTHON_SOURCES = sorted(
     p for p in [*ROOT.glob("tests/**/*.py"), *ROOT.glob("fuse_plugin/**/*.py"),
                 *ROOT.glob("bench/*.py"), *ROOT.glob("scripts/*.py")]
     if p != Path(__file__).resolve())
+# The machine's own toolchains, installed before any session on this kind of machine
+# (the environment's machine description), not from a Debian package.
+MACHINE = {"go": "tests/stack/build.sh builds Kubernetes, containerd, runc, etcd and the CNI "
+                 "plugins with the machine's Go (/usr/local/go)"}
 # Called only when present, with a skip that says so: not on a fresh machine's path.
 OPTIONAL = {"kubectl": "tests/unit/test_manifests.py skips `kubectl kustomize` without it",
             "perf": "bench.broker's step breakdown (perf trace) is left out without it"}
@@ -132,6 +136,9 @@ def test_command_comes_from_a_listed_package(command: str) -> None:
     where = ", ".join(sorted(COMMANDS[command]))
     if command in OPTIONAL:
         pytest.skip(f"{command}: optional, {OPTIONAL[command]}")
+    if command in MACHINE:
+        assert shutil.which(command, path=PATH), f"{command}: {MACHINE[command]}; none here"
+        return
     executable = shutil.which(command, path=PATH)
     if executable is None:
         pytest.fail(f"{command} (called in {where}) is not installed here: add its Debian "
