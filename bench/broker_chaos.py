@@ -305,9 +305,11 @@ def tally_events(scene: Scene, events: list[dict[str, Any]]) -> dict[str, Any]:
         if not kind.startswith("broker."):
             continue
         who = names.get(str(event.get("cgroup", "")), "other")
+        # A tenant's refusals past its log budget are summed up in one line per kind.
+        kind = "broker.refused" if kind == "broker.refused_summary" else kind
         counts.setdefault(kind, {}).setdefault(who, 0)
         # A refusal at accept is one line a second for any number of connections.
-        counts[kind][who] += int(event.get("connections", 1))
+        counts[kind][who] += int(event.get("connections", event.get("suppressed", 1)))
         if who in GOOD and kind == "broker.mount":
             durations[who].append(float(event["duration_ms"]))
     return {

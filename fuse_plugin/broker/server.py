@@ -41,8 +41,8 @@ from typing import Any
 
 from fuse_plugin import args as types
 from fuse_plugin import files, logs, sockets
+from fuse_plugin.broker import budget, frames, mountinfo, policy, protocol, records
 from fuse_plugin.broker import caller as callers
-from fuse_plugin.broker import frames, mountinfo, policy, protocol, records
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
 from fuse_plugin.broker.helper import HelperFailed, Job, outcome
 from fuse_plugin.broker.stats import BrokerStats
@@ -195,6 +195,7 @@ class Broker:
         self._queued: dict[str, collections.deque[_Work]] = {}  # by container
         self._running: dict[str, _Work] = {}  # by container: its helper is at work
         self._stuck: list[_Gone] = []  # released (killed) helpers not exited yet
+        self._budget = budget.LogBudget()  # lines per tenant and kind of refusal
 
     # -- start and stop ------------------------------------------------------------------
 
@@ -300,6 +301,7 @@ class Broker:
         if self._signals_wake and threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(-1)
         self._selector.close()
+        self._summarise(time.monotonic(), everything=True)
         logs.event(self.log, "stopped")
 
     # -- the loop ------------------------------------------------------------------------
@@ -410,8 +412,9 @@ class Broker:
         now = time.monotonic()
         if now - self._busy_said >= 1.0:
             logs.event(self.log, "broker.refused", logging.WARNING, connections=self._busy,
-                       kind=refused.kind, reason=str(refused), pid=who.pid if who else 0,
-                       cgroup=who.container if who else "")
+                       kind=refused.kind, reason=budget.bounded(str(refused)),
+                       pid=who.pid if who else 0,
+                       cgroup=budget.bounded(who.container if who else ""))
             self._busy, self._busy_said = 0, now
         _answer(sock, protocol.encode(status="error", message=f"broker refused: {refused}"))
         if who is not None:
@@ -690,6 +693,7 @@ class Broker:
                                           "way may not be answering)"))
             self._release(work)
         self._reap_stuck(now)
+        self._summarise(now)
         if now - self._pruned >= PRUNE_EVERY:
             self._pruned = now
             self.records.prune()
@@ -728,19 +732,30 @@ class Broker:
     def _refuse(self, work: _Work, refused: policy.Refused) -> None:
         work.fields.update(reason=str(refused), kind=refused.kind)
         self.stats.refused(refused.kind)
-        self._log(work, "broker.refused", logging.WARNING)
+        if self._budget.admit(work.container, refused.kind, str(refused), time.monotonic()):
+            self._log(work, "broker.refused", logging.WARNING)
         self._reply(work, status="error", message=f"broker refused: {refused}")
 
     def _fail(self, work: _Work, failed: HelperFailed) -> None:
         work.fields["reason"] = str(failed)
         self.stats.failed()
-        self._log(work, "broker.failed", logging.ERROR)
+        if self._budget.admit(work.container, "failed", str(failed), time.monotonic()):
+            self._log(work, "broker.failed", logging.ERROR)
         self._reply(work, status="error", message=f"broker: {failed}")
 
     def _log(self, work: _Work, event: str, level: int) -> None:
         # Logged before the reply: whoever sees the answer can already find its line.
         work.fields["duration_ms"] = round((time.perf_counter() - work.started) * 1000, 2)
-        logs.event(self.log, event, level, **work.fields)
+        logs.event(self.log, event, level,
+                   **{k: budget.bounded(v) for k, v in work.fields.items()})
+
+    def _summarise(self, now: float, everything: bool = False) -> None:
+        """One line per container and kind whose refusals went unlogged this interval."""
+        for summary in self._budget.due(now, everything):
+            logs.event(self.log, "broker.refused_summary", logging.WARNING,
+                       cgroup=budget.bounded(summary.container), kind=summary.kind,
+                       suppressed=summary.suppressed, seconds=summary.seconds,
+                       last_reason=budget.bounded(summary.reason))
 
     def _reply(self, work: _Work, **fields: object) -> None:
         work.answered = True

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import pytest
 from fuse_plugin.api import api_pb2 as api
 from tests.lib import broker as broker_rig
 from tests.lib import oci, profiles, waiting, workloads
-from tests.lib.broker import ATTACKER_IN_CONTAINER, BrokerProcess, Held, attack
+from tests.lib.broker import BrokerProcess, Held, attack
 
 ASKS = 400
 FUSE_FLUSH = 25
@@ -86,16 +85,11 @@ def test_a_descriptor_in_a_fuse_mount_is_never_taken(
         if whose == "its own":
             b = a
         baseline = fds_of(watched.pid)
-        # B's process keeps the descriptor until it exits, and its own close waits on
-        # A's FLUSH: its answer is read first, and it exits once A's stub is gone.
-        taker = subprocess.Popen(
-            b.runc.command("exec", b.id, "python3", ATTACKER_IN_CONTAINER, "ask-with-fd",
-                           "/shared/fd.sock", str(ASKS), "op=mount", "path=/mnt/b"),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        b.daemons.append(taker)
-        assert taker.stdout is not None
-        line = taker.stdout.readline()
-        tally: dict[str, Any] = json.loads(line)
+        # B's process keeps the descriptor until released: its own close would wait on
+        # A's FLUSH, which A answers only by going away.
+        taker = Held(b, "ask-with-fd", "/shared/fd.sock", str(ASKS), "op=mount",
+                     "path=/mnt/b")
+        tally = taker.answer
         try:
             assert tally["counts"] == {"error": ASKS}, tally
             [message] = tally["messages"]
@@ -107,15 +101,27 @@ def test_a_descriptor_in_a_fuse_mount_is_never_taken(
                              f"the broker's descriptors back to {baseline}",
                              detail=lambda: f"now {fds_of(watched.pid)}")
             flushes = [r for r in requests_seen(a) if r["opcode"] == FUSE_FLUSH]
-            assert flushes == [], "the broker's helper took and closed the file"
+            assert flushes == [], f"a FLUSH reached A's daemon: {flushes} {who(flushes)}"
             assert watched.events("broker.stalled") == []
         finally:
             stub.release()  # A's daemon goes: the waiting closes end
-            taker.wait(30)
+            taker.release()
             giver.release()
         # B is still served for what it may have.
         answer = attack(b, "ask", "--fuse", "op=mount", "path=/mnt/b")
         assert answer["status"] == "ok", answer
+
+
+def who(records: list[dict[str, Any]]) -> list[str]:
+    """The command lines of the processes named in FUSE requests, while they last."""
+    found = []
+    for record in records:
+        try:
+            found.append(Path(f"/proc/{record['pid']}/cmdline").read_bytes()
+                         .replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            found.append(f"{record['pid']} (gone)")
+    return found
 
 
 def requests_seen(container: oci.RuncContainer) -> list[dict[str, Any]]:

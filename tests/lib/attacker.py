@@ -24,7 +24,8 @@ going through the shim. Every command prints one JSON object on stdout.
                                                  stdin, print the answer
     attacker.py ask-with-fd SOCKET N FIELD=VALUE...
                                                  take an fd from SOCKET, then ask N times
-                                                 naming it as fuse_fd
+                                                 naming it as fuse_fd; hold it until
+                                                 stdin ends
 
 ``{i}`` in a field is replaced by the request's number. ``--fuse`` opens /dev/fuse and
 names the fd (``fuse_fd=``), as the shim does. Commands that hold something print their
@@ -504,7 +505,8 @@ def main() -> int:
                 "swap-race": cmd_swap_race, "serve": cmd_serve, "pass-fd": cmd_pass_fd,
                 "ask-with-fd": cmd_ask_with_fd, "ask-later": cmd_ask_later}
     print(json.dumps(commands[args.command](args)), flush=True)
-    if args.command in ("hold", "silent", "descriptors", "pin-and-hide", "serve", "pass-fd"):
+    if args.command in ("hold", "silent", "descriptors", "pin-and-hide", "serve", "pass-fd",
+                        "ask-with-fd"):
         sys.stdin.read()  # hold until the test closes our stdin
         globals().get("_cleanup", lambda: None)()
     return 0
