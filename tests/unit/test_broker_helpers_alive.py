@@ -1,0 +1,107 @@
+"""Live helpers are counted (issue 26): a container whose released helper has not exited
+gets no new one, and the node runs at most ``MAX_HELPERS``, killed ones included.
+
+The loop's bookkeeping, with stand-in jobs: a helper that cannot exit needs a process
+stuck in the kernel, which the container stage makes (test_broker_hostile.py's stuck
+helper); here the rule itself is checked at each of its states."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from fuse_plugin.broker import caller as callers
+from fuse_plugin.broker import protocol, server
+from fuse_plugin.broker.helper import Job
+from fuse_plugin.broker.server import Broker, BrokerSettings
+
+
+class StandInJob:
+    """A released helper that has not exited (``exited`` is set by the test)."""
+
+    def __init__(self, killed_at: float) -> None:
+        self.killed_at: float | None = killed_at
+        self.aborted = False
+        self.is_gone = False
+        self.pidfd = -1
+
+    def exited(self) -> bool:
+        return self.is_gone
+
+    def close(self) -> None:
+        pass
+
+
+STARTED: list[Any] = []  # the helpers the loop started, in the test at hand
+
+
+@pytest.fixture
+def broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Broker:
+    def start(*args: Any) -> None:
+        STARTED.append(args)
+        raise OSError(5, "stand-in: no helper is run here")
+
+    STARTED.clear()
+    monkeypatch.setattr(Job, "start", start)
+    return Broker(BrokerSettings(directory=tmp_path / "dir", state=tmp_path / "state"),
+                  logging.getLogger("test"))
+
+
+def queue(loop: Broker, container: str) -> socket.socket:
+    """A request of ``container`` waiting for its helper; the caller's end is returned."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    who = callers.Caller(pid=1, uid=0, gid=0, pidfd=-1, container=container)
+    work = server._Work(ours, who, time.monotonic() + 5)
+    work.parsed = protocol.Request(op="unmount", path="/mnt/x")
+    loop._queued.setdefault(container, collections.deque()).append(work)
+    return theirs
+
+
+def stuck(loop: Broker, container: str, killed_at: float) -> StandInJob:
+    job = StandInJob(killed_at)
+    loop._stuck.append(server._Gone(container, cast("Job", job)))  # what the loop uses
+    return job
+
+
+def answer(sock: socket.socket) -> str:
+    sock.setblocking(False)
+    return protocol.decode(sock.recv(protocol.MAX_MESSAGE))["message"]
+
+
+def test_a_container_whose_helper_has_not_exited_waits_then_is_refused(
+        broker: Broker) -> None:
+    now = time.monotonic()
+    job = stuck(broker, "/pod/a", killed_at=now)
+    caller_end = queue(broker, "/pod/a")
+    broker._next("/pod/a")
+    assert STARTED == []
+    assert len(broker._queued["/pod/a"]) == 1  # waits: the helper is only just killed
+    job.killed_at = now - server.KILL_GRACE  # still alive past the grace: stuck
+    broker._next("/pod/a")
+    assert STARTED == []
+    assert "last helper is blocked in the kernel" in answer(caller_end)
+    assert "/pod/a" not in broker._queued
+
+
+def test_once_it_has_exited_the_container_gets_its_next_helper(broker: Broker) -> None:
+    job = stuck(broker, "/pod/a", killed_at=time.monotonic())
+    caller_end = queue(broker, "/pod/a")
+    job.is_gone = True
+    broker._gone(broker._stuck[0])
+    assert len(STARTED) == 1
+    assert "cannot start fuse-broker-helper" in answer(caller_end)
+
+
+def test_the_node_runs_at_most_max_helpers_killed_ones_included(broker: Broker) -> None:
+    for n in range(server.MAX_HELPERS):
+        stuck(broker, f"/pod/{n}", killed_at=time.monotonic())
+    caller_end = queue(broker, "/pod/other")
+    broker._next("/pod/other")
+    assert STARTED == []
+    assert f"{server.MAX_HELPERS} helpers alive" in answer(caller_end)
