@@ -101,10 +101,15 @@ class Caller:
         return fd
 
 
+UCRED = "iII"
+
+
 def identify(conn: socket.socket) -> Caller:
     """The connected process, from the kernel's view of the socket."""
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", creds)
+    # struct ucred: pid_t, then uid_t and gid_t, which are unsigned: a user-namespaced pod's
+    # ids on the node are often above 2**31 (the kubelet hands out ranges up to 2**32).
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(UCRED))
+    pid, uid, gid = struct.unpack(UCRED, creds)
     if pid <= 0:
         raise policy.Refused("the caller's pid is not visible (the broker needs host PID)",
                              "caller")
