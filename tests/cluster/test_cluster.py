@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -146,23 +145,29 @@ def test_profile_installer_puts_seccomp_profiles_where_the_kubelet_looks(
     assert said, "the installer never said that AppArmor is unavailable:\n" + "\n".join(logs)
 
 
+def with_component(overlay: Path, component: str, tmp: Path) -> Path:
+    """A kustomization of the user's own beside manifests/ that adds one component:
+    `resources: [manifests]`, `components: [manifests/COMPONENT]` (each component's
+    header shows this form)."""
+    dst = tmp / f"with-{component}"
+    dst.mkdir()
+    write_json(dst / "kustomization.yaml", {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [str(overlay)], "components": [str(overlay / component)]})
+    return dst
+
+
 def shipped_objects(kubectl: Kubectl, overlay: Path, tmp: Path) -> list[dict[str, Any]]:
     """Every object the repository ships under manifests/, as a user would build it: each
-    Kustomization with kubectl's kustomize (manifests/ itself with every component
-    added), and each YAML file that no kustomization lists (such as the user-namespaced
-    broker example) as it is."""
-    with_all = tmp / "with-components"
-    shutil.copytree(overlay, with_all)
-    kustomization = yaml.safe_load((with_all / "kustomization.yaml").read_text())
-    kustomization["components"] = sorted(
-        d.parent.name for d in with_all.glob("*/kustomization.yaml")
-        if yaml.safe_load(d.read_text())["kind"] == "Component")
-    write_json(with_all / "kustomization.yaml", kustomization)
-    roots = [with_all, *sorted(
-        d.parent for d in MANIFESTS.glob("*/**/kustomization.yaml")
-        if yaml.safe_load(d.read_text())["kind"] == "Kustomization")]
+    Kustomization with kubectl's kustomize (manifests/ alone and with each component),
+    and each YAML file that no kustomization uses (such as the user-namespaced broker
+    example) as it is. Objects built more than once are counted once."""
     kustomizations = {d.parent: yaml.safe_load(d.read_text())
                       for d in MANIFESTS.glob("**/kustomization.yaml")}
+    components = sorted(d.name for d, k in kustomizations.items() if k["kind"] == "Component")
+    roots = [overlay, *(with_component(overlay, c, tmp) for c in components),
+             *sorted(d for d, k in kustomizations.items()
+                     if k["kind"] == "Kustomization" and d != MANIFESTS)]
     # Files a kustomization builds from: its resources and its patches' files.
     used = {(d / r).resolve() for d, k in kustomizations.items()
             for r in [*(k.get("resources") or []),
@@ -172,7 +177,9 @@ def shipped_objects(kubectl: Kubectl, overlay: Path, tmp: Path) -> list[dict[str
     for f in sorted(MANIFESTS.glob("**/*.yaml")):
         if f.name != "kustomization.yaml" and f.resolve() not in used:
             docs += [d for d in yaml.safe_load_all(f.read_text()) if d]
-    return docs
+    unique = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d
+              for d in docs}
+    return list(unique.values())
 
 
 def apparmor_fields(obj: dict[str, Any]) -> dict[str, Any]:
@@ -577,18 +584,13 @@ def test_cdi_answer_is_consumed_by_containerd(
     *, deployed: dict[str, Any], cluster: Cluster, kubectl: Kubectl, api: Api, overlay: Path,
     images: dict[str, str], tmp_path: Path
 ) -> None:
-    """The `cdi` component (README: `kustomize edit add component cdi`): the plugin writes
+    """The `cdi` component, added as its header shows: the plugin writes
     its CDI spec into the node's /var/run/cdi and answers `github.com/fuse=fuse` with each
     allocation; the kubelet passes the name in CreateContainer and containerd 2 resolves
     it from the spec (a pod gets /dev/fuse). With the spec file gone, containerd refuses
     the next pod's container as an unresolvable CDI device: the name, not only the
     DeviceSpec, reaches it and is resolved there."""
-    with_cdi = tmp_path / "with-cdi"
-    shutil.copytree(overlay, with_cdi)
-    k = yaml.safe_load((with_cdi / "kustomization.yaml").read_text())
-    k["components"] = ["cdi"]
-    write_json(with_cdi / "kustomization.yaml", k)
-    kubectl(*APPLY, "-k", str(with_cdi))
+    kubectl(*APPLY, "-k", str(with_component(overlay, "cdi", tmp_path)))
     try:
         rolled = rollout(kubectl, PLUGIN_DS)
         wait_allocatable(api, DEFAULT_SLOTS)
