@@ -284,6 +284,27 @@ def allocated(mark: Mark, ours: Mark) -> None:
                       "allocation")
 
 
+# A pod's cgroup as the kubelet names it, the parent of its containers' cgroups: cgroupfs
+# ".../pod<uid>", systemd ".../kubepods-burstable-pod<uid_with_underscores>.slice".
+POD_CGROUP = re.compile(r"(?:^|[-_])pod[0-9a-fA-F_-]+(?:\.slice)?$")
+
+
+def pod_of(container: str) -> str:
+    """The pod a container's cgroup belongs to, for the fair shares: its parent cgroup
+    when that is a pod's, else the container itself (a container outside any pod's
+    cgroup shares with no one)."""
+    parent, _, _ = container.rstrip("/").rpartition("/")
+    return parent if POD_CGROUP.search(parent.rpartition("/")[2]) else container
+
+
+def room_in_pod(held: int, limit: int, pod: str) -> None:
+    """A pod's share of the node's mounts: no pod can take the node-wide cap alone."""
+    if held >= limit:
+        raise Refused(f"the pod ({pod[:120]}) already holds {held} FUSE mounts made by the "
+                      f"broker, its share (--max-mounts-pod {limit}); unmount one first",
+                      "quota")
+
+
 def room_for_another(held: int, limit: int, node_held: int, node_limit: int) -> None:
     if held >= limit:
         raise Refused(f"the container already holds {held} FUSE mounts made by the "

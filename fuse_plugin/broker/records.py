@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fuse_plugin import files
-from fuse_plugin.broker.policy import Owner
+from fuse_plugin.broker.policy import Owner, pod_of
 
 FUSECTL = Path("/sys/fs/fuse/connections")
 
@@ -96,6 +96,14 @@ class Records:
         against the kernel now)."""
         self.prune(container)
         return sum(1 for r in self._records.values() if r.container == container)
+
+    def held_by_pod(self, pod: str) -> int:
+        """Live mounts the broker made for the containers of one pod."""
+        mine = [r for r in self._records.values() if pod_of(r.container) == pod]
+        for record in mine:
+            if self.inode_of(record.connection) != record.ctl_inode:
+                self._forget(record)
+        return sum(1 for r in self._records.values() if pod_of(r.container) == pod)
 
     @property
     def total(self) -> int:

@@ -54,6 +54,7 @@ DEFAULT_STATE = Path("/run/fuse-device-plugin/broker")
 DEFAULT_SHIM = Path("/usr/local/libexec/fuse-device-plugin/fusermount3")
 DEFAULT_MAX_MOUNTS = 32
 DEFAULT_MAX_MOUNTS_NODE = 1000
+DEFAULT_MAX_MOUNTS_POD = 64  # a pod's share of the node's mounts (policy.pod_of)
 # Connections open at once: per container (a tenant holding silent connections only
 # uses its own share) and for the node (the broker's fds).
 PER_CONTAINER = 4
@@ -61,6 +62,11 @@ MAX_CONNECTIONS = 256
 # Helper processes alive at once on the node, killed ones that have not exited included
 # (each holds descriptors and memory until it exits); a container has at most one.
 MAX_HELPERS = 64
+# Fair shares: no pod (its containers together, policy.pod_of) can take a node-wide cap
+# from the rest. A pod gets at most these of the node's connections and helpers, and
+# --max-mounts-pod of its mounts.
+PER_POD = 16
+PER_POD_HELPERS = 8
 REQUEST_DEADLINE = 5.0  # seconds from accept to a complete request
 HELPER_DEADLINE = 5.0  # seconds a helper may take; then it is killed
 KILL_GRACE = 2.0  # a killed helper still alive after this is stuck on a FUSE daemon
@@ -78,6 +84,7 @@ class BrokerSettings:
     shim: Path = DEFAULT_SHIM
     max_mounts: int = DEFAULT_MAX_MOUNTS
     max_mounts_node: int = DEFAULT_MAX_MOUNTS_NODE
+    max_mounts_pod: int = DEFAULT_MAX_MOUNTS_POD
     allow_other: bool = False
     metrics_port: int = 0
     metrics_address: str = "0.0.0.0"
@@ -102,6 +109,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                         default=DEFAULT_MAX_MOUNTS_NODE,
                         help="the same for the whole node (default: "
                              f"{DEFAULT_MAX_MOUNTS_NODE})")
+    parser.add_argument("--max-mounts-pod", type=types.count(1, 100_000),
+                        default=DEFAULT_MAX_MOUNTS_POD,
+                        help="the same for all the containers of one pod together, so that "
+                             "no pod takes the node's share alone (default: "
+                             f"{DEFAULT_MAX_MOUNTS_POD})")
     parser.add_argument("--allow-other", type=types.boolean, default=False,
                         help="let callers that are not root mount with allow_other, as "
                              "user_allow_other in /etc/fuse.conf does (default: false)")
@@ -117,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     settings = BrokerSettings(
         directory=args.dir, state=args.state_dir, shim=args.shim,
         max_mounts=args.max_mounts, max_mounts_node=args.max_mounts_node,
+        max_mounts_pod=args.max_mounts_pod,
         allow_other=args.allow_other, metrics_port=args.metrics_port,
         metrics_address=args.metrics_address, log_format=args.log_format,
         log_level=args.log_level)
@@ -227,7 +240,8 @@ class Broker:
         self._signals_wake = True
         logs.event(self.log, "broker.serving", socket=str(self.socket_path),
                    shim=str(shim), max_mounts=settings.max_mounts,
-                   max_mounts_node=settings.max_mounts_node, held=held,
+                   max_mounts_node=settings.max_mounts_node,
+                   max_mounts_pod=settings.max_mounts_pod, held=held,
                    allow_other=settings.allow_other,
                    refuses_descriptors=self._refuses_descriptors)
 
@@ -421,10 +435,16 @@ class Broker:
             who.close()
 
     def _over_limit(self, container: str) -> policy.Refused | None:
-        mine = sum(1 for w in self._all() if w.container == container)
+        everyone = self._all()
+        mine = sum(1 for w in everyone if w.container == container)
         if mine >= PER_CONTAINER:
             return policy.Refused(f"this container has {mine} requests open, the most it "
                                   "may; try again", "busy")
+        pod = policy.pod_of(container)
+        ours = sum(1 for w in everyone if policy.pod_of(w.container) == pod)
+        if ours >= PER_POD:
+            return policy.Refused(f"this pod has {ours} requests open, its share of the "
+                                  "node's; try again", "busy")
         if sum(1 for _ in self._all()) >= MAX_CONNECTIONS:
             return policy.Refused(f"the broker is busy ({MAX_CONNECTIONS} requests open); "
                                   "try again", "busy")
@@ -501,6 +521,9 @@ class Broker:
             policy.room_for_another(self.records.held(who.container),
                                     self.settings.max_mounts, self.records.total,
                                     self.settings.max_mounts_node)
+            pod = policy.pod_of(who.container)
+            policy.room_in_pod(self.records.held_by_pod(pod), self.settings.max_mounts_pod,
+                               pod)
         who.open()
         work.fields["namespace"] = who.namespace
 
@@ -510,7 +533,7 @@ class Broker:
         queue = self._queued.get(container)
         while queue and not self._helper_alive(container):
             work = queue.popleft()
-            refused = self._helpers_full()
+            refused = self._helpers_full(container)
             if refused is not None:
                 self._refuse(work, refused)
                 continue
@@ -551,11 +574,16 @@ class Broker:
         return any(g.container == container and g.job.killed_at is not None
                    and now - g.job.killed_at >= KILL_GRACE for g in self._stuck)
 
-    def _helpers_full(self) -> policy.Refused | None:
-        alive = len(self._running) + len(self._stuck)
-        if alive >= MAX_HELPERS:
-            return policy.Refused(f"the broker has {alive} helpers alive, the most it "
+    def _helpers_full(self, container: str) -> policy.Refused | None:
+        alive = [*self._running, *(g.container for g in self._stuck)]
+        if len(alive) >= MAX_HELPERS:
+            return policy.Refused(f"the broker has {len(alive)} helpers alive, the most it "
                                   "runs at once; try again", "busy")
+        pod = policy.pod_of(container)
+        ours = sum(1 for c in alive if policy.pod_of(c) == pod)
+        if ours >= PER_POD_HELPERS:
+            return policy.Refused(f"this pod has {ours} helpers alive, its share of the "
+                                  "node's; try again", "busy")
         return None
 
     def _hear(self, work: _Work) -> None:

@@ -7,7 +7,9 @@ a real node on purpose, is in docs/oci-harness.md.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 import os
 import stat
 import subprocess
@@ -239,13 +241,34 @@ def _is_fusectl() -> bool:
 class Runc(base.Runc):
     """runc with a private state root whose containers can also be started and exec'd."""
 
+    pods: set[str] | None = None  # pod cgroups made for ``create(..., pod=)``
+
     def made(self, cid: str, bundle: Path) -> RuncContainer:
         return RuncContainer(self, cid, bundle)
 
-    def create(self, spec: Spec, name: str = "c") -> RuncContainer:
+    def create(self, spec: Spec, name: str = "c", pod: str | None = None) -> RuncContainer:
+        """With ``pod``, the container's cgroup is ``/POD/ID``, as the kubelet nests a
+        pod's containers under the pod's cgroup (name it ``...-pod<hex>``)."""
         made = super().create(spec, name)
         assert isinstance(made, RuncContainer)
+        if pod is not None:
+            config = made.bundle / "config.json"
+            written = json.loads(config.read_text())
+            written["linux"]["cgroupsPath"] = f"/{pod}/{made.id}"
+            config.write_text(json.dumps(written, indent=1))
+            self.pods = {*(self.pods or ()), pod}
         return made
+
+    def close(self) -> None:
+        """The containers, then the pod cgroups their runc left behind (empty)."""
+        try:
+            super().close()
+        finally:
+            for pod in self.pods or ():
+                root = Path("/sys/fs/cgroup")
+                for directory in (root / pod, *root.glob(f"*/{pod}")):
+                    with contextlib.suppress(OSError):
+                        directory.rmdir()
 
 
 class RuncContainer(base.RuncContainer):
