@@ -445,7 +445,7 @@ class Broker:
         if ours >= PER_POD:
             return policy.Refused(f"this pod has {ours} requests open, its share of the "
                                   "node's; try again", "busy")
-        if sum(1 for _ in self._all()) >= MAX_CONNECTIONS:
+        if len(everyone) >= MAX_CONNECTIONS:
             return policy.Refused(f"the broker is busy ({MAX_CONNECTIONS} requests open); "
                                   "try again", "busy")
         return None
