@@ -145,15 +145,16 @@ def test_profile_installer_puts_seccomp_profiles_where_the_kubelet_looks(
     assert said, "the installer never said that AppArmor is unavailable:\n" + "\n".join(logs)
 
 
-def with_component(overlay: Path, component: str, tmp: Path) -> Path:
+def with_component(overlay: Path, component: str) -> Path:
     """A kustomization of the user's own beside manifests/ that adds one component:
-    `resources: [manifests]`, `components: [manifests/COMPONENT]` (each component's
-    header shows this form)."""
-    dst = tmp / f"with-{component}"
-    dst.mkdir()
+    `resources: [../manifests]`, `components: [../manifests/COMPONENT]` (the form each
+    component's header shows; kustomize takes relative paths only)."""
+    dst = overlay.parent / f"with-{component}"
+    dst.mkdir(exist_ok=True)
     write_json(dst / "kustomization.yaml", {
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [str(overlay)], "components": [str(overlay / component)]})
+        "resources": [f"../{overlay.name}"],
+        "components": [f"../{overlay.name}/{component}"]})
     return dst
 
 
@@ -165,7 +166,7 @@ def shipped_objects(kubectl: Kubectl, overlay: Path, tmp: Path) -> list[dict[str
     kustomizations = {d.parent: yaml.safe_load(d.read_text())
                       for d in MANIFESTS.glob("**/kustomization.yaml")}
     components = sorted(d.name for d, k in kustomizations.items() if k["kind"] == "Component")
-    roots = [overlay, *(with_component(overlay, c, tmp) for c in components),
+    roots = [overlay, *(with_component(overlay, c) for c in components),
              *sorted(d for d, k in kustomizations.items()
                      if k["kind"] == "Kustomization" and d != MANIFESTS)]
     # Files a kustomization builds from: its resources and its patches' files.
@@ -590,7 +591,7 @@ def test_cdi_answer_is_consumed_by_containerd(
     it from the spec (a pod gets /dev/fuse). With the spec file gone, containerd refuses
     the next pod's container as an unresolvable CDI device: the name, not only the
     DeviceSpec, reaches it and is resolved there."""
-    kubectl(*APPLY, "-k", str(with_component(overlay, "cdi", tmp_path)))
+    kubectl(*APPLY, "-k", str(with_component(overlay, "cdi")))
     try:
         rolled = rollout(kubectl, PLUGIN_DS)
         wait_allocatable(api, DEFAULT_SLOTS)

@@ -646,6 +646,11 @@ USERNS = Example(USERNS_FILE, "namespace-restricted.yaml", "EXAMPLE_SSHFS_NONROO
 # for runAsNonRoot; whether a user-namespaced pod is excused is a Pod Security option).
 USERNS_ROOT_NAME = "sshfs-userns-root"
 USERNS_ROOT_CONTEXT = {"runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False}
+# ssh ignores a key that its owner's group may read ("UNPROTECTED PRIVATE KEY FILE",
+# then "Permission denied (publickey)"): as root the key must be 0400 and the pod without
+# the example's fsGroup, with which the kubelet makes the Secret's files group-readable
+# (that is how uid 1000 reads it).
+USERNS_ROOT_KEY_MODE = 0o400
 
 
 def userns_overlay(tmp: Path, servers: Servers, images: dict[str, str],
@@ -670,7 +675,10 @@ def userns_overlay(tmp: Path, servers: Servers, images: dict[str, str],
         edits += [{"op": "replace", "path": "/metadata/name", "value": name},
                   {"op": "replace", "path": "/metadata/namespace", "value": namespace},
                   *({"op": "replace", "path": f"/spec/containers/0/securityContext/{k}",
-                     "value": v} for k, v in USERNS_ROOT_CONTEXT.items())]
+                     "value": v} for k, v in USERNS_ROOT_CONTEXT.items()),
+                  {"op": "replace", "path": "/spec/volumes/0/secret/defaultMode",
+                   "value": USERNS_ROOT_KEY_MODE},
+                  {"op": "remove", "path": "/spec/securityContext/fsGroup"}]
     name_, _, tag = images[USERNS.image_key].rpartition(":")
     write_json(dst / "kustomization.yaml", {
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
@@ -729,6 +737,9 @@ def test_userns_example_mounts_through_the_broker(
         owners = sh(f"stat -c '%u:%g' {MOUNTPOINT}/userns-in.txt {MOUNTPOINT}/userns-out.txt")
         mounts = broker_lines(kubectl, api, "broker.mount", pod["metadata"]["uid"])
         gone = sh(f"fusermount3 -u {MOUNTPOINT}; echo fusermount3 -u rc=$?")
+        restarts = [c.get("restartCount") for c in (api_pod(api, pod)["status"]
+                                                     .get("containerStatuses") or [])]
+        earlier = kubectl.run("-n", namespace, "logs", name, "--previous", check=False)
         proof = evidence(
             f"broker-userns-{'root' if as_root else 'uid-1000'}",
             f"namespace {namespace}: {LEVEL_LABEL}={level}", pod_summary(pod),
@@ -736,6 +747,8 @@ def test_userns_example_mounts_through_the_broker(
             f"uid_map {' '.join(uid_map)}; id -u, -g: {ident.split()}", mounted,
             f"mountinfo: {line}", f"server -> pod: {read}", f"pod -> server: {back}",
             f"owners as the pod sees them: {owners.split()}", *mounts, gone,
+            f"restarts {restarts}; the previous container's log: "
+            f"{(earlier.stdout + earlier.stderr).strip()}",
         ) + "\n" + component_logs(kubectl, api)
         assert level == ("baseline" if as_root else "restricted"), proof
         assert pod["spec"].get("hostUsers") is False, proof
@@ -746,6 +759,7 @@ def test_userns_example_mounts_through_the_broker(
         assert read == f"in-{token}", proof
         assert back == f"out-{token}", proof
         assert owners.split() == [f"{uid}:{uid}"] * 2, proof
+        assert restarts == [0], proof
         assert len(mounts) == 1, proof
         assert "rc=0" in gone, proof
     finally:
