@@ -315,8 +315,15 @@ def room_for_another(held: int, limit: int, node_held: int, node_limit: int) -> 
                       f"its limit (--max-mounts-node {node_limit})", "quota")
 
 
-def may_mount(target: Target, opts: MountOptions, node_root: bool, allow_other: bool) -> None:
-    """Judge the directory the helper reached and the caller's right to mount there."""
+def may_mount(target: Target, opts: MountOptions, node_root: bool, allow_other: bool, *,
+              user_namespaced: bool = False) -> None:
+    """Judge the directory the helper reached and the caller's right to mount there.
+
+    ``allow_other`` is the node's choice for callers that share the node's users; a caller
+    in a user namespace of its own (a ``hostUsers: false`` pod) may always ask for it: the
+    mount's superblock belongs to that namespace, and the kernel lets only processes in it
+    (or below it) past allow_other, so it opens the mount to the pod's other users and to
+    nobody outside the pod. fuse-overlayfs asks for it whenever it runs as uid 0."""
     _outside_denied_trees(target.mount_point, "the mountpoint is on the mount at")
     if target.shared:
         raise Refused(f"the mountpoint is on a shared mount (at {target.mount_point[:200]!r}): "
@@ -335,7 +342,7 @@ def may_mount(target: Target, opts: MountOptions, node_root: bool, allow_other: 
         raise Refused(f"the caller (uid {target.uid}) may not write the mountpoint "
                       f"(owner uid {target.owner}, mode {target.mode & 0o7777:o})",
                       "permission")
-    if opts.allow_other and not allow_other:
+    if opts.allow_other and not (allow_other or user_namespaced):
         raise Refused("allow_other is not allowed on this node for callers that are not "
                       "root (the broker's --allow-other, like user_allow_other in "
                       "/etc/fuse.conf)", "option")

@@ -624,7 +624,8 @@ class Broker:
                 mode=int(facts.get("mode", "0"), 8), owner=_int(facts, "owner"),
                 writable={"1": True, "0": False}.get(facts.get("writable", "")),
                 uid=_int(facts, "uid"), gid=_int(facts, "gid"))
-            policy.may_mount(target, work.options, who.node_root, self.settings.allow_other)
+            policy.may_mount(target, work.options, who.node_root, self.settings.allow_other,
+                             user_namespaced=who.user_ns != -1)
             return work.options.verdict()
         found = policy.Existing(
             mount_id=_int(facts, "mount"),

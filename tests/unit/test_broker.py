@@ -223,6 +223,9 @@ def test_targets_allowed_and_the_node_decides_allow_other() -> None:
     other = MountOptions(flags=("allow_other",))
     policy.may_mount(target(), other, node_root=True, allow_other=False)
     policy.may_mount(target(), other, node_root=False, allow_other=True)
+    # a user-namespaced caller: the kernel confines allow_other to its own namespace
+    policy.may_mount(target(), other, node_root=False, allow_other=False,
+                     user_namespaced=True)
     with pytest.raises(Refused, match="allow_other is not allowed on this node"):
         policy.may_mount(target(), other, node_root=False, allow_other=False)
 
