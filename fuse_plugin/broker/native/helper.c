@@ -49,11 +49,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/fsuid.h>
+#include <signal.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define MAX_FRAME 163840
@@ -822,8 +825,8 @@ static int has_option(const char *list, const char *want)
 }
 
 /* Build the FUSE mount as the verdict says, in the current (the caller's) user
- * namespace, and attach it onto target. Returns the mount fd. */
-static int build_and_attach(int fuse, int target, const struct fields *v, uid_t uid, gid_t gid)
+ * namespace; returns the detached mount's fd. */
+static int build(int fuse, const struct fields *v, uid_t uid, gid_t gid)
 {
 	char text[32];
 	unsigned attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV;
@@ -862,6 +865,60 @@ static int build_and_attach(int fuse, int target, const struct fields *v, uid_t 
 	if (mnt == -1)
 		failed("fsmount");
 	close(fs);
+	return mnt;
+}
+
+/* The superblock takes the PID namespace of the process that creates it (the kernel
+ * names every requester to the daemon by its pid there, and pid 0 for processes outside
+ * it): so it is built by a child in the caller's PID namespace (setns(CLONE_NEWPID)
+ * applies to children only), which hands the detached mount back and exits. Nothing
+ * the child does waits on a tenant (the FUSE INIT is sent asynchronously); a failure
+ * it reports itself, over the broker's socket. Then the mount is attached onto target,
+ * the very fd walked to. Returns the mount fd. */
+static int build_and_attach(int pidfd, int fuse, int target, const struct fields *v, uid_t uid,
+			    gid_t gid)
+{
+	int pair[2], mnt = -1, status;
+	char byte, control[CMSG_SPACE(sizeof(int))];
+	struct iovec io = { &byte, 1 };
+	struct msghdr msg = { 0 };
+	struct cmsghdr *cmsg;
+	pid_t child;
+
+	if (setns(pidfd, CLONE_NEWPID) == -1)
+		failed("setns pid");
+	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) == -1)
+		failed("socketpair");
+	child = fork();
+	if (child == -1)
+		failed("fork");
+	if (child == 0) {
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		close(pair[0]);
+		mnt = build(fuse, v, uid, gid);
+		msg.msg_iov = &io;
+		msg.msg_iovlen = 1;
+		msg.msg_control = control;
+		msg.msg_controllen = sizeof(control);
+		cmsg = CMSG_FIRSTHDR(&msg);
+		cmsg->cmsg_level = SOL_SOCKET;
+		cmsg->cmsg_type = SCM_RIGHTS;
+		cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+		memcpy(CMSG_DATA(cmsg), &mnt, sizeof(int));
+		_exit(sendmsg(pair[1], &msg, MSG_NOSIGNAL) == 1 ? 0 : 1);
+	}
+	close(pair[1]);
+	msg.msg_iov = &io;
+	msg.msg_iovlen = 1;
+	msg.msg_control = control;
+	msg.msg_controllen = sizeof(control);
+	if (recvmsg(pair[0], &msg, MSG_CMSG_CLOEXEC) == 1 && (cmsg = CMSG_FIRSTHDR(&msg))
+	    && cmsg->cmsg_type == SCM_RIGHTS)
+		memcpy(&mnt, CMSG_DATA(cmsg), sizeof(int));
+	close(pair[0]);
+	waitpid(child, &status, 0);
+	if (mnt == -1)
+		_exit(1); /* the child said why, or died: the broker sees this exit */
 	if (syscall(SYS_move_mount_, mnt, "", target, "",
 		    MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH) == -1)
 		failed("move_mount");
@@ -907,7 +964,7 @@ static void verify(int proc, int mnt, const struct fields *v, uid_t uid, gid_t g
 	    "dev", m->dev, "point", m->point, "options", m->options, "super", m->super, NULL);
 }
 
-static void mount_op(int proc, int fuse, const struct fields *req)
+static void mount_op(int proc, int pidfd, int fuse, const struct fields *req)
 {
 	static char buf[MAX_FRAME];
 	char mode[16], owner[16], writable[2] = "-", root[2], mount[24];
@@ -947,7 +1004,7 @@ static void mount_op(int proc, int fuse, const struct fields *req)
 	hear(buf, ANSWER, VERDICT_FIELDS, "go", &verdict);
 	if (strcmp(get(&verdict, "go"), "1") != 0)
 		_exit(0);
-	mnt = build_and_attach(fuse, target, &verdict, uid, gid);
+	mnt = build_and_attach(pidfd, fuse, target, &verdict, uid, gid);
 	verify(proc, mnt, &verdict, uid, gid);
 }
 
@@ -1018,7 +1075,7 @@ int main(int argc, char *argv[])
 	if (setfsuid((uid_t)-1) != 0)
 		drop_dac();
 	if (mount)
-		mount_op(proc, fuse, &req);
+		mount_op(proc, pidfd, fuse, &req);
 	else
 		unmount_op(proc, &req);
 	return 0;
