@@ -97,6 +97,12 @@ ref="$(build fuse-example-sshfs-nonroot \
     "$(inputs_key "$bkey" manifests/broker/examples/Dockerfile)" "$REPO/manifests/broker/examples")"
 env_lines+=("EXAMPLE_SSHFS_NONROOT_IMAGE=$ref")
 refs+=("$ref")
+# The rootless-build example's image (buildah + fuse-overlayfs), its Dockerfile unchanged.
+ref="$(build fuse-example-buildah \
+    "$(inputs_key "$bkey" manifests/broker/examples/buildah.Dockerfile)" \
+    "$REPO/manifests/broker/examples" -f "$REPO/manifests/broker/examples/buildah.Dockerfile")"
+env_lines+=("EXAMPLE_BUILDAH_IMAGE=$ref")
+refs+=("$ref")
 servers="$(build fdp-cluster-servers \
     "$(inputs_key "$bkey" tests/cluster/servers.Dockerfile)" "$HERE" \
     --build-arg "BASE=$base" -f "$HERE/servers.Dockerfile")"

@@ -764,3 +764,81 @@ def test_userns_example_mounts_through_the_broker(
         assert "rc=0" in gone, proof
     finally:
         delete_pod(kubectl, api, namespace, name)
+
+
+# ---------------------------------------------------------------- 7. a rootless image build
+
+BUILDAH_FILE = "buildah-userns-pod.yaml"
+BUILDAH_POD = "buildah-userns-example"
+
+
+def buildah_overlay(tmp: Path, images: dict[str, str], capabilities: bool) -> Path:
+    """manifests/broker/examples/buildah-userns-pod.yaml with its tool image named; without
+    `capabilities`, the variant with every capability dropped (what `restricted` allows)."""
+    dst = tmp / f"buildah-{'caps' if capabilities else 'nocaps'}"
+    dst.mkdir(parents=True)
+    shutil.copy(BROKER_EXAMPLES / BUILDAH_FILE, dst / BUILDAH_FILE)
+    name, _, tag = images["EXAMPLE_BUILDAH_IMAGE"].rpartition(":")
+    patches = [] if capabilities else [{
+        "target": {"kind": "Pod", "name": BUILDAH_POD}, "patch": json.dumps(
+            [{"op": "remove", "path": "/spec/containers/0/securityContext/capabilities/add"}])}]
+    write_json(dst / "kustomization.yaml", {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [BUILDAH_FILE],
+        "images": [{"name": "fuse-example-buildah", "newName": name, "newTag": tag}],
+        "patches": patches})
+    return dst
+
+
+@pytest.mark.parametrize("capabilities", [True, False], ids=["buildah-build", "no-capability"])
+def test_rootless_image_build_with_buildah_through_the_broker(
+    *, broker_deployed: dict[str, Any], kubectl: Kubectl, api: Api, images: dict[str, str],
+    tmp_path: Path, capabilities: bool
+) -> None:
+    """The seed's workload: manifests/broker/examples/buildah-userns-pod.yaml, an image
+    build in a `hostUsers: false` pod whose only FUSE line is `github.com/fuse: 1`, in its
+    `baseline` namespace. buildah's overlay storage is mounted by fuse-overlayfs through the
+    shim and the broker; the pod builds FROM scratch (with `buildah build` where it holds
+    the namespaced SYS_CHROOT and DAC_OVERRIDE; by buildah's own steps with no capability
+    at all), mounts the result, and writes it as an OCI archive whose layer holds the
+    file."""
+    namespace = BASELINE.namespace
+    kubectl(*APPLY, "-f", str(BROKER_EXAMPLES / BASELINE.namespace_file))
+    kubectl(*APPLY, "-k", str(buildah_overlay(tmp_path, images, capabilities)))
+    try:
+        def pushed() -> str | None:
+            out = pod_log(kubectl, namespace, BUILDAH_POD)
+            return out if "\nPUSHED " in f"\n{out}" else None
+
+        out = wait_for(pushed, 300, f"{BUILDAH_POD} to build and push its image", interval=2,
+                       detail=lambda: pod_log(kubectl, namespace, BUILDAH_POD)[-3000:] + "\n"
+                       + component_logs(kubectl, api))
+        [pod] = [p for p in api.pods(namespace) if p["metadata"]["name"] == BUILDAH_POD]
+        marked = [ln for ln in out.splitlines()
+                  if ln.startswith(("VARIANT", "BUILT", "MOUNTED", "PUSHED", "LAYER"))]
+        mounted = [ln for ln in marked if ln.startswith("MOUNTED")]
+        layers = [ln for ln in marked if ln.startswith("LAYER")]
+        level = yaml.safe_load(kubectl("get", "namespace", namespace, "-o", "yaml"))[
+            "metadata"]["labels"][LEVEL_LABEL]
+        status = exec_in(kubectl, namespace, BUILDAH_POD,
+                         "cat /proc/self/uid_map; id -u; grep -E '^(CapEff|NoNewPrivs|Seccomp):' "
+                         "/proc/self/status")
+        mounts = broker_lines(kubectl, api, "broker.mount", pod["metadata"]["uid"])
+        proof = evidence(
+            f"buildah-{'build' if capabilities else 'no-capability'}",
+            f"namespace {namespace}: {LEVEL_LABEL}={level}", pod_summary(pod),
+            f"stored hostUsers={pod['spec'].get('hostUsers')}, securityContext "
+            f"{pod['spec']['containers'][0]['securityContext']}", *status.splitlines(),
+            *marked, f"broker.mount lines for the pod: {len(mounts)}", *mounts[:2],
+        ) + "\n" + component_logs(kubectl, api)
+        assert level == "baseline", proof
+        assert pod["spec"].get("hostUsers") is False, proof
+        assert status.split()[:3] != ["0", "0", "4294967295"], proof
+        assert mounted, proof
+        assert " - fuse.fuse-overlayfs " in mounted[0], proof
+        assert any("hello.txt" in ln for ln in layers), proof
+        assert marked[0].startswith("VARIANT build" if capabilities else "VARIANT no cap"), proof
+        assert mounts, proof
+    finally:
+        kubectl("-n", namespace, "delete", "configmap", BUILDAH_POD, "--ignore-not-found")
+        delete_pod(kubectl, api, namespace, BUILDAH_POD)
