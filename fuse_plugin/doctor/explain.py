@@ -62,6 +62,54 @@ _RESOURCE_FIX = ("request the device: `resources.limits: {github.com/fuse: 1}`; 
                  "`fuse-device-plugin doctor` on that node")
 
 ERRORS: tuple[KnownError, ...] = (
+    # What the cluster says about a FUSE pod before any FUSE call: the kubelet, the API
+    # server's admission and the runtime, as the pod's events and status show them.
+    KnownError(
+        key="apparmor-not-enabled",
+        example="Pod was rejected: Cannot enforce AppArmor: AppArmor is not enabled on the "
+                "host",
+        errno="",
+        patterns=(r"cannot enforce apparmor",),
+        meaning="the kubelet refused a pod that asks for an AppArmor profile (Kubernetes "
+                "1.30+) on a node without AppArmor",
+        causes=(
+            Cause("the pod's `appArmorProfile` (the default-mode examples name "
+                  "fuse-device-plugin-<preset>) on a node whose kernel has no AppArmor",
+                  "`kubectl get pod` shows `Failed`, reason `AppArmor`; on the node, "
+                  "`cat /sys/module/apparmor/parameters/enabled` is not `Y`",
+                  "remove `appArmorProfile` on such nodes (the seccomp profile and the "
+                  "single device remain), or run the pod on AppArmor nodes"),
+        )),
+    KnownError(
+        key="pod-security-sys-admin",
+        example='pods "sshfs-example" is forbidden: violates PodSecurity "baseline:latest": '
+                'non-default capabilities (container "sshfs" must not include "SYS_ADMIN" in '
+                "securityContext.capabilities.add)",
+        errno="",
+        patterns=(r'violates PodSecurity "(baseline|restricted)[^"]*":.*SYS_ADMIN',),
+        meaning="Pod Security admission refused a default-mode FUSE pod",
+        causes=(
+            Cause("default mode adds CAP_SYS_ADMIN, which `baseline` and `restricted` forbid, "
+                  "also in a `hostUsers: false` pod",
+                  "the namespace's label `pod-security.kubernetes.io/enforce` is `baseline` "
+                  "or `restricted`",
+                  "use broker mode (the pod needs only `github.com/fuse: 1`), or a namespace "
+                  "at `privileged`"),
+        )),
+    KnownError(
+        key="cdi-unresolvable",
+        example="CDI device injection failed: unresolvable CDI devices github.com/fuse=fuse",
+        errno="",
+        patterns=(r"unresolvable CDI devices .*fuse",),
+        meaning="the runtime found no CDI spec for the device the plugin named",
+        causes=(
+            Cause("the plugin runs with `--cdi` (the `cdi` component) but its spec is not in "
+                  "a directory the runtime reads, or was removed",
+                  "on the node, `grep -l github.com/fuse /var/run/cdi/*.json /etc/cdi/*.json`; "
+                  "the runtime's CDI directories (containerd: `cdi_spec_dirs`)",
+                  "mount the runtime's CDI directory into the plugin at `--cdi-dir` (the "
+                  "component mounts /var/run/cdi), or restart the plugin pod to write it again"),
+        )),
     KnownError(
         key="open-dev-fuse",
         example="fuse: failed to open /dev/fuse: Permission denied",
