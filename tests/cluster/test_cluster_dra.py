@@ -1,0 +1,245 @@
+"""The DRA driver in the one-machine 1.37 cluster: `manifests/dra/` added to manifests/ as
+its header shows (the device plugin's DaemonSet goes, the driver's comes), and pods that
+ask for `github.com/fuse: 1` unchanged are scheduled and prepared through DRA: the
+DeviceClass's `extendedResourceName`, a ResourceSlice the driver publishes, a CDI spec
+per claim that containerd 2 reads.
+
+One change to the shipped manifests, for this cluster only: it has no kube-proxy, so the
+driver cannot reach the API server through the `kubernetes` Service's address; the test's
+kustomization puts the driver on the host network and points it at the API server's
+loopback address (KUBERNETES_SERVICE_HOST/PORT, which in-cluster clients read).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cluster.cluster import APISERVER_PORT, NODE_NAME, Api, Cluster, Kubectl
+from tests.cluster.kube import (
+    APPLY,
+    EXAMPLES_NS,
+    PLUGIN_NS,
+    RESOURCE,
+    daemonset_pod,
+    delete_pod,
+    evidence,
+    exec_in,
+    pod_summary,
+    rollout,
+    wait_mounted,
+    wait_ready,
+    write_json,
+)
+from tests.cluster.servers import NAMESPACE as SERVERS_NS
+from tests.cluster.servers import Servers
+from tests.cluster.sshfs_example import SSHFS_POD, apply_sshfs_example, delete_sshfs_example
+from tests.kubelet.node import wait_for
+from tests.lib.node import host_fuse_mode
+
+DRIVER = "fuse-device-plugin.github.com"
+DRIVER_DS = "fuse-dra-driver"
+DRIVER_SELECTOR = "app.kubernetes.io/component=dra-driver"
+CDI_DIR = Path("/var/run/cdi")
+DRA_NS = "fdp-e2e-dra"
+
+
+def driver_overlay(overlay: Path) -> Path:
+    """`resources: [../manifests]`, `components: [../manifests/dra]`, and this cluster's
+    one patch (see the module's docstring)."""
+    dst = overlay.parent / "with-dra"
+    dst.mkdir(exist_ok=True)
+    patch = {"apiVersion": "apps/v1", "kind": "DaemonSet",
+             "metadata": {"name": DRIVER_DS, "namespace": PLUGIN_NS},
+             "spec": {"template": {"spec": {"hostNetwork": True, "containers": [{
+                 "name": "driver", "env": [
+                     {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+                     {"name": "KUBERNETES_SERVICE_PORT", "value": str(APISERVER_PORT)}]}]}}}}
+    write_json(dst / "kustomization.yaml", {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [f"../{overlay.name}"], "components": [f"../{overlay.name}/dra"],
+        "patches": [{"patch": json.dumps(patch)}]})
+    return dst
+
+
+def slices(api: Api) -> list[dict[str, Any]]:
+    """The ResourceSlices our driver published for this node."""
+    items: list[dict[str, Any]] = api.get("/apis/resource.k8s.io/v1/resourceslices")["items"]
+    return [s for s in items if s["spec"].get("driver") == DRIVER
+            and s["spec"].get("nodeName") == NODE_NAME]
+
+
+def claim_specs() -> list[Path]:
+    """The driver's CDI spec files on the node, one per prepared claim."""
+    return sorted(CDI_DIR.glob(f"{DRIVER}-*.json"))
+
+
+def driver_log(kubectl: Kubectl, api: Api) -> str:
+    pods = api.pods(PLUGIN_NS, DRIVER_SELECTOR)
+    if not pods:
+        return "no driver pod"
+    return kubectl.run("-n", PLUGIN_NS, "logs", pods[0]["metadata"]["name"], "--tail=40",
+                       check=False).stdout
+
+
+@pytest.fixture(scope="module")
+def dra_deployed(cluster: Cluster, kubectl: Kubectl, api: Api, overlay: Path
+                 ) -> dict[str, Any]:
+    """The driver deployed instead of the device plugin, its slice published."""
+    applied = kubectl(*APPLY, "-k", str(driver_overlay(overlay))).strip().splitlines()
+    rolled = rollout(kubectl, DRIVER_DS)
+    pod = daemonset_pod(api, PLUGIN_NS, DRIVER_SELECTOR)
+    published = wait_for(lambda: slices(api), 90, f"a ResourceSlice of {DRIVER}",
+                         detail=lambda: driver_log(kubectl, api))
+    plugins = [p["metadata"]["name"] for p in api.pods(PLUGIN_NS)
+               if "device-plugin" in p["metadata"]["name"]]
+    devices = published[0]["spec"]["devices"]
+    evidence("dra-deploy", *[a for a in applied if "dra" in a or "deviceclass" in a],
+             rolled, pod_summary(pod), f"device-plugin pods: {plugins or 'none'}",
+             f"ResourceSlice {published[0]['metadata']['name']}: pool "
+             f"{published[0]['spec']['pool']}, devices "
+             f"{[d['name'] for d in devices]} (first: {json.dumps(devices[0])[:300]})")
+    assert not plugins
+    return pod
+
+
+@pytest.fixture
+def fuse_mode_0600() -> Iterator[None]:
+    """The node as a fresh machine has it: /dev/fuse 0600."""
+    with host_fuse_mode(0o600):
+        yield
+
+
+def fuse_pod(name: str, image: str, uid: int) -> dict[str, Any]:
+    """A pod that asks for `github.com/fuse: 1` as a device-plugin pod would, as uid, and
+    opens /dev/fuse for reading and writing."""
+    return {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": DRA_NS},
+        "spec": {
+            "automountServiceAccountToken": False, "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": 1,
+            "securityContext": {"runAsUser": uid, "runAsGroup": uid,
+                                "runAsNonRoot": uid != 0,
+                                "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [{
+                "name": "c", "image": image, "imagePullPolicy": "IfNotPresent",
+                "command": ["/bin/sh", "-c",
+                            "ls -ln /dev/fuse; (exec 3<>/dev/fuse) && echo opened /dev/fuse; "
+                            "exec sleep 3600"],
+                "securityContext": {"allowPrivilegeEscalation": False,
+                                    "capabilities": {"drop": ["ALL"]}},
+                "resources": {"limits": {RESOURCE: "1"}},
+            }],
+        },
+    }
+
+
+def test_one_line_pod_is_scheduled_and_prepared_through_dra_and_mounts(
+    *, dra_deployed: dict[str, Any], servers: Servers, kubectl: Kubectl, api: Api,
+    images: dict[str, str], tmp_path: Path
+) -> None:
+    """With the driver deployed and the device plugin not, the default-mode sshfs example
+    (`github.com/fuse: 1`, unchanged) is scheduled through the DeviceClass's
+    extendedResourceName: the scheduler makes a claim for it, the kubelet has the driver
+    prepare it (a CDI spec appears), and the example mounts and moves data both ways.
+    Deleting the pod unprepares the claim (its CDI spec goes)."""
+    before = set(claim_specs())
+    apply_sshfs_example(kubectl, servers, images, tmp_path)
+    try:
+        mount = wait_mounted(kubectl, api, SSHFS_POD, "/mnt/remote", "fuse.sshfs")
+        [pod] = [p for p in api.pods(EXAMPLES_NS) if p["metadata"]["name"] == SSHFS_POD]
+        claims = api.get(f"/apis/resource.k8s.io/v1/namespaces/{EXAMPLES_NS}/resourceclaims")
+        mine = [c for c in claims["items"] if any(
+            o.get("uid") == pod["metadata"]["uid"]
+            for o in c["metadata"].get("ownerReferences") or [])]
+        specs = sorted(set(claim_specs()) - before)
+        token = uuid.uuid4().hex
+        exec_in(kubectl, SERVERS_NS, "sshd", f"echo dra-{token} > /srv/data/dra.txt")
+        read = exec_in(kubectl, EXAMPLES_NS, SSHFS_POD, "cat /mnt/remote/dra.txt")
+        results = [r for c in mine for r in
+                   (c.get("status") or {}).get("allocation", {}).get("devices", {})
+                   .get("results", [])]
+        proof = evidence(
+            "dra-direct", pod_summary(pod),
+            f"pod status extendedResourceClaimStatus: "
+            f"{json.dumps(pod['status'].get('extendedResourceClaimStatus'))}",
+            f"claims owned by the pod: {[c['metadata']['name'] for c in mine]}; "
+            f"allocation results {results}",
+            f"CDI specs prepared: {[s.name for s in specs]}", mount, f"server -> pod: {read}",
+        ) + "\n" + driver_log(kubectl, api)
+        assert mine, proof
+        assert results, proof
+        assert all(r["driver"] == DRIVER for r in results), proof
+        assert specs, proof
+        assert read == f"dra-{token}", proof
+    finally:
+        delete_sshfs_example(kubectl, api)
+    gone = wait_for(lambda: set(claim_specs()) <= before or None, 60,
+                    "the claim's CDI spec to be removed", detail=lambda: str(claim_specs()))
+    evidence("dra-direct", f"pod deleted: CDI specs left of its claim: "
+             f"{sorted(p.name for p in set(claim_specs()) - before) or 'none'} ({gone})")
+
+
+def test_uid_1000_opens_dev_fuse_on_a_0600_node_through_the_cdi_node(
+    *, dra_deployed: dict[str, Any], kubectl: Kubectl, api: Api, images: dict[str, str],
+    fuse_mode_0600: None
+) -> None:
+    """On a node whose /dev/fuse is 0600 (a fresh machine's, no udev rule), a uid-1000 pod
+    that asks for `github.com/fuse: 1` opens /dev/fuse: the driver's CDI spec creates the
+    container's node with mode 0666, where the device plugin's DeviceSpec copies the
+    node's own mode. (A `hostUsers: false` pod gets the node's device bound instead, whose
+    mode is the node's.)"""
+    kubectl(*APPLY, "-f", "-", stdin=json.dumps({
+        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": DRA_NS}}))
+    name = "uid1000-fuse"
+    kubectl(*APPLY, "-f", "-", stdin=json.dumps(fuse_pod(name, images["WORKLOAD_IMAGE"], 1000)))
+    try:
+        wait_ready(api, DRA_NS, name)
+
+        def said() -> str | None:
+            out = kubectl.run("-n", DRA_NS, "logs", name, check=False).stdout
+            return out if "/dev/fuse" in out else None
+
+        out = wait_for(said, 60, f"{name}'s log")
+        node = Path("/dev/fuse").stat()
+        proof = evidence("dra-0600", f"the node's /dev/fuse: mode {node.st_mode & 0o7777:o}",
+                         *out.splitlines())
+        assert node.st_mode & 0o7777 == 0o600, proof
+        assert re.search(r"^crw-rw-rw-", out, re.M), proof
+        assert "opened /dev/fuse" in out, proof
+    finally:
+        delete_pod(kubectl, api, DRA_NS, name)
+
+
+def test_driver_restart_keeps_running_pods_and_serves_new_ones(
+    *, dra_deployed: dict[str, Any], kubectl: Kubectl, api: Api, images: dict[str, str]
+) -> None:
+    """`kubectl delete pod` of the driver: a pod prepared by the old driver keeps its
+    /dev/fuse, the new driver re-registers and republishes, and a new pod is prepared."""
+    kubectl(*APPLY, "-f", "-", stdin=json.dumps({
+        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": DRA_NS}}))
+    first, second = "before-restart", "after-restart"
+    kubectl(*APPLY, "-f", "-", stdin=json.dumps(fuse_pod(first, images["WORKLOAD_IMAGE"], 0)))
+    try:
+        wait_ready(api, DRA_NS, first)
+        old = daemonset_pod(api, PLUGIN_NS, DRIVER_SELECTOR)
+        kubectl("-n", PLUGIN_NS, "delete", "pod", old["metadata"]["name"], "--wait=true")
+        new = daemonset_pod(api, PLUGIN_NS, DRIVER_SELECTOR, not_uid=old["metadata"]["uid"])
+        still = exec_in(kubectl, DRA_NS, first, "(exec 3<>/dev/fuse) && echo still opens")
+        kubectl(*APPLY, "-f", "-",
+                stdin=json.dumps(fuse_pod(second, images["WORKLOAD_IMAGE"], 0)))
+        ready = wait_ready(api, DRA_NS, second)
+        proof = evidence("dra-restart", f"old driver {old['metadata']['name']} -> "
+                         + pod_summary(new), f"{first}: {still}", pod_summary(ready),
+                         f"slices: {[s['metadata']['name'] for s in slices(api)]}")
+        assert "still opens" in still, proof
+        assert slices(api), proof
+    finally:
+        for n in (first, second):
+            delete_pod(kubectl, api, DRA_NS, n)
