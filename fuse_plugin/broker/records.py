@@ -84,6 +84,12 @@ class Records:
         temp.write_text(json.dumps(asdict(record)))
         os.replace(temp, self.directory / record.name)
 
+    def forget(self, connection: int) -> None:
+        """Drop a record (one whose file could not be written)."""
+        record = self._records.get(connection)
+        if record is not None:
+            self._forget(record)
+
     def owner(self, connection: int) -> Owner | None:
         """Whom the live connection's mount was made for, if the broker made it."""
         record = self._records.get(connection)

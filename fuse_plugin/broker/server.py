@@ -602,6 +602,10 @@ class Broker:
             if message.get("status") == "facts":
                 job.send(go=1, **self._verdict(work, message))
                 return
+            if message.get("status") == "built":
+                self._record(work, message)
+                job.send(go=1)
+                return
             if message.get("status") == "ok":
                 self._succeed(work, message)
                 return
@@ -636,33 +640,38 @@ class Broker:
         work.fields["mount_id"] = found.mount_id
         return {"lazy": "1" if "lazy" in request.flags else "0"}
 
+    def _record(self, work: _Work, built: dict[str, str]) -> None:
+        """Crash-only records: the new connection is recorded while its mount is still
+        detached, so a broker killed at any instant leaves no mount it made that it does
+        not count and cannot remove (issue 26). No record, no mount: ``HelperFailed``
+        releases the helper, and the detached mount goes with it."""
+        connection = _connection(built)
+        inode = self.records.inode_of(connection)
+        if inode is None:
+            raise HelperFailed(f"the new FUSE connection {connection} is not in fusectl")
+        record = records.Record(
+            connection=connection, ctl_inode=inode, container=work.container,
+            uid=work.caller.uid, namespace=work.caller.namespace, mount_id=0,
+            path=work.request.path)
+        try:
+            self.records.add(record)
+        except OSError as err:
+            self.records.forget(connection)
+            if policy.out_of_resources(err):
+                self._pause(err)
+            raise HelperFailed(f"cannot record the mount: {err.strerror or err}") from None
+        work.fields["connection"] = connection
+        self.mounts_held = self.records.by_container()
+
     def _succeed(self, work: _Work, result: dict[str, str]) -> None:
         mount_id = _int(result, "mnt_id")
         work.fields["mount_id"] = mount_id
-        record = None
         if work.request.op == "mount":
-            connection = _connection(result)
-            inode = self.records.inode_of(connection)
-            work.fields.update(connection=connection, mount_options=result.get("options"))
-            if inode is not None:
-                record = records.Record(
-                    connection=connection, ctl_inode=inode, container=work.container,
-                    uid=work.caller.uid, namespace=work.caller.namespace,
-                    mount_id=mount_id, path=work.request.path)
+            work.fields.update(connection=_connection(result),
+                               mount_options=result.get("options"))
         self.stats.served(work.request.op)
         self._log(work, f"broker.{work.request.op}", logging.INFO)
         self._reply(work, status="ok", mount_id=mount_id)
-        # After the reply, but before this loop reads anything else: the caller's next
-        # request already finds the record.
-        if record is not None:
-            try:
-                self.records.add(record)
-            except OSError as err:  # counted in memory; only the file is missing
-                if policy.out_of_resources(err):
-                    self._pause(err)
-                logs.event(self.log, "broker.record_unsaved", logging.ERROR,
-                           connection=record.connection, reason=err.strerror or str(err))
-            self.mounts_held = self.records.by_container()
         self._release(work)
 
     def _exited(self, work: _Work) -> None:

@@ -22,6 +22,9 @@ going through the shim. Every command prints one JSON object on stdout.
     attacker.py ask-later [--fuse] FIELD=VALUE... connect (and open /dev/fuse), say so,
                                                  send the request once a line arrives on
                                                  stdin, print the answer
+    attacker.py mount-loop DIR                  mount DIR/0, DIR/1, ... until stdin ends,
+                                                 waiting out a broker that is not there;
+                                                 then print the tally
     attacker.py ask-with-fd SOCKET N FIELD=VALUE...
                                                  take an fd from SOCKET, then ask N times
                                                  naming it as fuse_fd; hold it until
@@ -425,6 +428,32 @@ def cmd_ask_with_fd(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def cmd_mount_loop(args: argparse.Namespace) -> dict[str, Any]:
+    """Mount one new directory after another while the broker is killed and restarted
+    under it: a request the dying broker never answered is "closed"."""
+    done = threading.Event()
+
+    def watch() -> None:
+        sys.stdin.read()
+        done.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    results, unreachable, i = [], 0, 0
+    while not done.is_set():
+        point = os.path.join(args.dir, str(i))
+        os.makedirs(point, exist_ok=True)
+        try:
+            results.append(ask_once([f"v={VERSION}", "op=mount", f"path={point}"], True,
+                                    None))
+            i += 1
+        except OSError:  # no socket, or no one listening: the broker is restarting
+            unreachable += 1
+            done.wait(0.01)
+    out = tally(results)
+    out.update(unreachable=unreachable, asked=i)
+    return out
+
+
 def cmd_ask_later(args: argparse.Namespace) -> dict[str, Any]:
     """Connected first, asking later: whatever the broker opens at accept is open, and
     what it opens for the request is not yet, while the test changes the broker."""
@@ -454,6 +483,8 @@ def add_fuse_commands(sub: Any) -> None:
     pass_fd = sub.add_parser("pass-fd")
     pass_fd.add_argument("file")
     pass_fd.add_argument("socket")
+    loop = sub.add_parser("mount-loop")
+    loop.add_argument("dir")
     later = sub.add_parser("ask-later")
     later.add_argument("--fuse", action="store_true")
     later.add_argument("fields", nargs="+")
@@ -503,7 +534,8 @@ def main() -> int:
                 "rename-race": cmd_rename_race, "hold": cmd_hold, "silent": cmd_silent,
                 "descriptors": cmd_descriptors, "pin-and-hide": cmd_pin_and_hide,
                 "swap-race": cmd_swap_race, "serve": cmd_serve, "pass-fd": cmd_pass_fd,
-                "ask-with-fd": cmd_ask_with_fd, "ask-later": cmd_ask_later}
+                "ask-with-fd": cmd_ask_with_fd, "ask-later": cmd_ask_later,
+                "mount-loop": cmd_mount_loop}
     print(json.dumps(commands[args.command](args)), flush=True)
     if args.command in ("hold", "silent", "descriptors", "pin-and-hide", "serve", "pass-fd",
                         "ask-with-fd"):

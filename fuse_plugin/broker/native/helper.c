@@ -17,6 +17,8 @@
  *   broker: ANSWER        go=0 (not a broker-mode container) or go=1
  *   helper: the facts     what the kernel says about the target, or a refusal
  *   broker: ANSWER        go=0, or go=1 with the mount's parameters
+ *   helper: built         the new, still detached, mount's connection (its device)
+ *   broker: ANSWER        go=1 once that connection is recorded (else go=0)
  *   helper: the result    the new mount's id, connection and line, or failed=
  *
  * What no message can switch off (issue 26: a request cut short once lost them): the
@@ -873,10 +875,8 @@ static int build(int fuse, const struct fields *v, uid_t uid, gid_t gid)
  * it): so it is built by a child in the caller's PID namespace (setns(CLONE_NEWPID)
  * applies to children only), which hands the detached mount back and exits. Nothing
  * the child does waits on a tenant (the FUSE INIT is sent asynchronously); a failure
- * it reports itself, over the broker's socket. Then the mount is attached onto target,
- * the very fd walked to. Returns the mount fd. */
-static int build_and_attach(int pidfd, int fuse, int target, const struct fields *v, uid_t uid,
-			    gid_t gid)
+ * it reports itself, over the broker's socket. Returns the detached mount's fd. */
+static int build_in_pidns(int pidfd, int fuse, const struct fields *v, uid_t uid, gid_t gid)
 {
 	int pair[2], mnt = -1, status;
 	char byte, control[CMSG_SPACE(sizeof(int))];
@@ -919,10 +919,33 @@ static int build_and_attach(int pidfd, int fuse, int target, const struct fields
 	waitpid(child, &status, 0);
 	if (mnt == -1)
 		_exit(1); /* the child said why, or died: the broker sees this exit */
+	return mnt;
+}
+
+/* Crash-only records: the broker records the new connection before the mount becomes
+ * visible. The detached mount's superblock is the connection (its device 0:N); the
+ * broker answers go=1 once its record is written, and only then is the mount attached
+ * onto target, the very fd walked to. A broker that dies before that leaves a detached
+ * mount, dropped when this process exits; one that dies after finds its record. */
+static void announce_and_attach(int mnt, int target)
+{
+	static char buf[MAX_FRAME];
+	char dev[32];
+	struct statx_ st;
+	struct fields answer;
+
+	/* An empty mask: FUSE answers it with the superblock's device even to a process it
+	 * would refuse anything else (the helper's real uid is not the mount's user_id). */
+	if (statx_fd(mnt, 0, &st) == -1)
+		failed("statx the new mount");
+	snprintf(dev, sizeof(dev), "%u:%u", st.stx_dev_major, st.stx_dev_minor);
+	say("status", "built", "dev", dev, NULL);
+	hear(buf, ANSWER, "go", "go", &answer);
+	if (strcmp(get(&answer, "go"), "1") != 0)
+		_exit(0);
 	if (syscall(SYS_move_mount_, mnt, "", target, "",
 		    MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH) == -1)
 		failed("move_mount");
-	return mnt;
 }
 
 /* The new mount as the table shows it must carry what was asked; else it is undone. */
@@ -1004,7 +1027,8 @@ static void mount_op(int proc, int pidfd, int fuse, const struct fields *req)
 	hear(buf, ANSWER, VERDICT_FIELDS, "go", &verdict);
 	if (strcmp(get(&verdict, "go"), "1") != 0)
 		_exit(0);
-	mnt = build_and_attach(pidfd, fuse, target, &verdict, uid, gid);
+	mnt = build_in_pidns(pidfd, fuse, &verdict, uid, gid);
+	announce_and_attach(mnt, target);
 	verify(proc, mnt, &verdict, uid, gid);
 }
 
