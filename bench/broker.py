@@ -229,6 +229,21 @@ def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def children(pid: int) -> int:
+    """The process's children alive or not yet reaped (the broker's helpers)."""
+    count = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        if int(stat.rpartition(")")[2].split()[1]) == pid:
+            count += 1
+    return count
+
+
 def settle(read: Callable[[], int], want: int, timeout: float) -> tuple[int, float]:
     """Poll ``read()`` until it equals ``want`` or ``timeout`` passes: (last value,
     seconds it took). The broker closes a helper's fds once it has seen it exit, which

@@ -29,10 +29,12 @@ Figures and targets (issue 20's): the well-behaved mount latency (p50, p99 < 100
 failures (none); every request answered (good and hostile: no connection closed or left
 without a reply); the longest wait of a complete request (<= the helper deadline,
 server.HELPER_DEADLINE) and of a silent connection (<= the request deadline and a loop
-turn); helpers killed at their deadline (broker.stalled); the broker's RSS and open fds
-before, during and after (fds back to the baseline once the attackers have left, RSS
-flat from one round to the next); /healthz answers during the chaos; SIGTERM during the
-chaos to exit (0, within the pod's terminationGracePeriodSeconds). Prints a table,
+turn); helpers killed at their deadline (broker.stalled) and alive at most (killed ones
+included, <= server.MAX_HELPERS); the broker's log lines and KiB a second during the
+attack; the broker's RSS and open fds before, during and after (fds back to the
+baseline once the attackers have left, RSS flat from one round to the next); /healthz
+answers during the chaos; SIGTERM during the chaos to exit (0, within the pod's
+terminationGracePeriodSeconds). Prints a table,
 writes JSON to ``bench/results/broker_chaos.json`` (or ``--out``), exits 3 when a
 target is missed.
 """
@@ -60,7 +62,7 @@ from typing import Any
 
 from bench import broker as bench
 from fuse_plugin.broker import protocol
-from fuse_plugin.broker.server import HELPER_DEADLINE, REQUEST_DEADLINE, TURN
+from fuse_plugin.broker.server import HELPER_DEADLINE, MAX_HELPERS, REQUEST_DEADLINE, TURN
 from tests.lib import broker as broker_rig
 from tests.lib import oci, waiting
 from tests.lib.node import UDEV_MODE, host_fuse_mode
@@ -124,6 +126,7 @@ class Watch:
     port: int
     rss_kib: list[int] = field(default_factory=list)
     fds: list[int] = field(default_factory=list)
+    helpers: list[int] = field(default_factory=list)  # alive, killed ones included
     healthz_ok: int = 0
     healthz_failed: list[str] = field(default_factory=list)
     healthz_max_ms: float = 0.0
@@ -151,6 +154,7 @@ class Watch:
             try:
                 self.rss_kib.append(bench.rss_kib(self.pid))
                 self.fds.append(bench.fd_count(self.pid))
+                self.helpers.append(bench.children(self.pid))
             except OSError:
                 return  # the broker has exited (the SIGTERM round)
             if self.port:
@@ -236,6 +240,11 @@ class Scene:
     def events_since(self, mark: int) -> list[dict[str, Any]]:
         return self.broker.events()[mark:]
 
+    def log_since(self, mark: int) -> tuple[int, int]:
+        """Lines and bytes the broker logged after its ``mark``-th line."""
+        lines = self.broker.log().splitlines()[mark:]
+        return len(lines), sum(len(line.encode()) + 1 for line in lines)
+
 
 def cgroup_of(pid: int) -> str:
     """As the broker names a caller's container (caller._cgroup): the unified path."""
@@ -260,12 +269,17 @@ class Round:
     fds_settle_s: float = 0.0
     rss_after_kib: int = 0
     stop: dict[str, Any] = field(default_factory=dict)
+    helpers_max: int = 0
+    log_lines_per_s: float = 0.0
+    log_kib_per_s: float = 0.0
 
 
 def attack(scene: Scene, sizes: Sizes, seconds: float, tag: str,
            during: Callable[[int], dict[str, Any]] | None = None) -> Round:
     """Every hostile tool and every well-behaved loop at once, for ``seconds``."""
     mark = len(scene.broker.events())
+    log_mark = len(scene.broker.log().splitlines())
+    started = time.monotonic()
     watch = Watch(scene.broker.pid, scene.port).start()
     running = {name: scene.spawn(name, tool_args(name, seconds, sizes), tag)
                for name in HOSTILE}
@@ -285,7 +299,12 @@ def attack(scene: Scene, sizes: Sizes, seconds: float, tag: str,
             raise AssertionError(f"{tag}: {name} exited {proc.returncode}: {text}{err}")
         tools[name] = json.loads(text.strip().splitlines()[-1])
     watch.stop()
-    return Round(tools=tools, events=tally_events(scene, scene.events_since(mark)),
+    lines, size = scene.log_since(log_mark)
+    elapsed = time.monotonic() - started
+    return Round(helpers_max=max(watch.helpers, default=0),
+                 log_lines_per_s=round(lines / elapsed, 1),
+                 log_kib_per_s=round(size / 1024 / elapsed, 1), tools=tools,
+                 events=tally_events(scene, scene.events_since(mark)),
                  rss_max_kib=max(watch.rss_kib, default=0), fds_max=max(watch.fds, default=0),
                  healthz={"ok": watch.healthz_ok, "failed": len(watch.healthz_failed),
                           "failures": watch.healthz_failed[:5],
@@ -466,6 +485,13 @@ def figures(report: Report) -> list[Figure]:
                       + ", ".join(f"{r.fds_after} (in {r.fds_settle_s:.1f} s)"
                                   for r in rounds),
                       "back to the start", fds_ok))
+    out.append(Figure("broker helpers alive (killed ones included): max during a round",
+                      ", ".join(str(r.helpers_max) for r in rounds),
+                      f"<= {MAX_HELPERS} (the node's cap)",
+                      all(r.helpers_max <= MAX_HELPERS for r in rounds)))
+    out.append(Figure("broker log during the attack: lines/s, KiB/s per round",
+                      ", ".join(f"{r.log_lines_per_s:g}, {r.log_kib_per_s:g}"
+                                for r in rounds)))
     health = [r.healthz for r in rounds]
     out.append(Figure("/healthz during the chaos: answered 200 / failed / slowest",
                       f"{sum(h['ok'] for h in health)} / {sum(h['failed'] for h in health)} / "
