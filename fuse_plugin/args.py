@@ -124,7 +124,9 @@ class _FromEnv(str):
 def _checked(kind: Parse) -> Parse:
     def check(text: str) -> object:
         try:
-            return kind(text)
+            # A plain str: a parser that returns its text as it is would otherwise hand on
+            # the _FromEnv subclass, which encoders (msgspec's JSON) refuse.
+            return kind(str(text))
         except argparse.ArgumentTypeError as err:
             if isinstance(text, _FromEnv):
                 raise argparse.ArgumentTypeError(f"{err} (from ${text.env})") from None

@@ -50,9 +50,11 @@ CDI_DIR = Path("/var/run/cdi")
 DRA_NS = "fdp-e2e-dra"
 
 
-def driver_overlay(overlay: Path) -> Path:
-    """`resources: [../manifests]`, `components: [../manifests/dra]`, and this cluster's
-    one patch (see the module's docstring)."""
+def driver_overlay(overlay: Path, image: str) -> Path:
+    """`resources: [../manifests]`, `components: [../manifests/dra]`, the image set here
+    as in manifests/ (`kustomize edit set image` in this kustomization: the component's
+    objects are added at this level), and this cluster's one patch (see the module's
+    docstring)."""
     dst = overlay.parent / "with-dra"
     dst.mkdir(exist_ok=True)
     patch = {"apiVersion": "apps/v1", "kind": "DaemonSet",
@@ -61,9 +63,11 @@ def driver_overlay(overlay: Path) -> Path:
                  "name": "driver", "env": [
                      {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
                      {"name": "KUBERNETES_SERVICE_PORT", "value": str(APISERVER_PORT)}]}]}}}}
+    name, _, tag = image.rpartition(":")
     write_json(dst / "kustomization.yaml", {
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "resources": [f"../{overlay.name}"], "components": [f"../{overlay.name}/dra"],
+        "images": [{"name": "fuse-device-plugin", "newName": name, "newTag": tag}],
         "patches": [{"patch": json.dumps(patch)}]})
     return dst
 
@@ -89,11 +93,15 @@ def driver_log(kubectl: Kubectl, api: Api) -> str:
 
 
 @pytest.fixture(scope="module")
-def dra_deployed(cluster: Cluster, kubectl: Kubectl, api: Api, overlay: Path
-                 ) -> dict[str, Any]:
+def dra_deployed(cluster: Cluster, kubectl: Kubectl, api: Api, overlay: Path,
+                 images: dict[str, str]) -> dict[str, Any]:
     """The driver deployed instead of the device plugin, its slice published."""
-    applied = kubectl(*APPLY, "-k", str(driver_overlay(overlay))).strip().splitlines()
-    rolled = rollout(kubectl, DRIVER_DS)
+    applied = kubectl(*APPLY, "-k", str(driver_overlay(overlay, images["PLUGIN_IMAGE"]))
+                      ).strip().splitlines()
+    try:
+        rolled = rollout(kubectl, DRIVER_DS)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{driver_log(kubectl, api)}") from None
     pod = daemonset_pod(api, PLUGIN_NS, DRIVER_SELECTOR)
     published = wait_for(lambda: slices(api), 90, f"a ResourceSlice of {DRIVER}",
                          detail=lambda: driver_log(kubectl, api))
