@@ -927,17 +927,49 @@ static int build_in_pidns(int pidfd, int fuse, const struct fields *v, uid_t uid
  * broker answers go=1 once its record is written, and only then is the mount attached
  * onto target, the very fd walked to. A broker that dies before that leaves a detached
  * mount, dropped when this process exits; one that dies after finds its record. */
-static void announce_and_attach(int mnt, int target)
+/* The superblock's device of a new FUSE mount. An empty mask: FUSE answers it with the
+ * device even to a process it would refuse anything else (the helper's real uid is not
+ * the mount's user_id), on kernels that have that exception. Older ones (Debian 12's 6.1)
+ * refuse it with EACCES: then a child that is wholly the caller (real, effective and saved
+ * ids: FUSE checks all three, not the fsuid the walk used) asks, and says what it got. */
+static void new_mount_device(int mnt, uid_t uid, gid_t gid, struct statx_ *st)
+{
+	int pair[2], status;
+	pid_t child;
+
+	if (statx_fd(mnt, 0, st) == 0)
+		return;
+	if (errno != EACCES || pipe2(pair, O_CLOEXEC) == -1)
+		failed("statx the new mount");
+	child = fork();
+	if (child == -1)
+		failed("fork to statx the new mount as the caller");
+	if (child == 0) {
+		close(pair[0]);
+		if (setgroups(0, NULL) == -1 || setresgid(gid, gid, gid) == -1
+		    || setresuid(uid, uid, uid) == -1 || statx_fd(mnt, 0, st) == -1)
+			_exit(1);
+		_exit(write(pair[1], st, sizeof(*st)) == (ssize_t)sizeof(*st) ? 0 : 1);
+	}
+	close(pair[1]);
+	if (read(pair[0], st, sizeof(*st)) != (ssize_t)sizeof(*st)) {
+		close(pair[0]);
+		waitpid(child, &status, 0);
+		errno = EACCES;
+		failed("statx the new mount as the caller");
+	}
+	close(pair[0]);
+	waitpid(child, &status, 0);
+}
+
+static void announce_and_attach(int mnt, int target, uid_t uid, gid_t gid)
 {
 	static char buf[MAX_FRAME];
 	char dev[32];
 	struct statx_ st;
 	struct fields answer;
 
-	/* An empty mask: FUSE answers it with the superblock's device even to a process it
-	 * would refuse anything else (the helper's real uid is not the mount's user_id). */
-	if (statx_fd(mnt, 0, &st) == -1)
-		failed("statx the new mount");
+	new_mount_device(mnt, uid, gid, &st);
 	snprintf(dev, sizeof(dev), "%u:%u", st.stx_dev_major, st.stx_dev_minor);
 	say("status", "built", "dev", dev, NULL);
 	hear(buf, ANSWER, "go", "go", &answer);
@@ -1028,7 +1060,7 @@ static void mount_op(int proc, int pidfd, int fuse, const struct fields *req)
 	if (strcmp(get(&verdict, "go"), "1") != 0)
 		_exit(0);
 	mnt = build_in_pidns(pidfd, fuse, &verdict, uid, gid);
-	announce_and_attach(mnt, target);
+	announce_and_attach(mnt, target, uid, gid);
 	verify(proc, mnt, &verdict, uid, gid);
 }
 
