@@ -646,6 +646,12 @@ class Broker:
         not count and cannot remove (issue 26). No record, no mount: ``HelperFailed``
         releases the helper, and the detached mount goes with it."""
         connection = _connection(built)
+        if self.records.owner(connection) is not None:
+            # The kernel mounts a /dev/fuse already in use as one more mount of its
+            # superblock: one connection, any number of mount points, one record.
+            raise policy.Refused(f"this /dev/fuse already serves a mount (FUSE connection "
+                                 f"{connection}): open /dev/fuse again for another mount",
+                                 "allocation")
         inode = self.records.inode_of(connection)
         if inode is None:
             raise HelperFailed(f"the new FUSE connection {connection} is not in fusectl")

@@ -127,3 +127,58 @@ def who(records: list[dict[str, Any]]) -> list[str]:
 def requests_seen(container: oci.RuncContainer) -> list[dict[str, Any]]:
     path = Path(f"/proc/{container.pid}/root{RECORD}")
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+SWAPS = 400
+
+
+def test_a_descriptor_swapped_between_judgement_and_take_is_bounded(
+        watched: BrokerProcess, broker_allocation: api.ContainerAllocateResponse) -> None:
+    """The one window left: the caller swaps its fd (dup2) between the helper's judgement
+    and its take. A helper that takes the FUSE file refuses it, and its exit waits on the
+    stub, which never answers a FLUSH from outside the container (the helper's, pid 0
+    there). Such a helper counts against its container, which gets no other until it has
+    exited (the broker aborts the container's own FUSE connections to free it): every
+    request is answered, and afterwards no helper is left and the broker's descriptors
+    are back to their baseline."""
+    request = oci.ContainerRequest(
+        args=workloads.HOLD, allocation=broker_allocation, seccomp=profiles.runtime_default(),
+        binds=[broker_rig.attacker_bind()])
+    with oci.Runc() as runc:
+        tenant = runc.create(oci.build_spec(request), "swapper").start()
+        tenant.sh("mkdir -p /mnt/stub /mnt/r").check()
+        stub = Held(tenant, "serve", "/mnt/stub", RECORD, "--no-flush-from-outside")
+        assert stub.answer["status"] == "ok"
+        baseline = fds_of(watched.pid)
+        try:
+            tally = attack(tenant, "swap-ask", "/mnt/r", str(SWAPS), "/mnt/stub/file",
+                           timeout=600)
+            assert set(tally["counts"]) <= {"ok", "error"}, tally
+            assert sum(tally["counts"].values()) == SWAPS
+            assert tally["swaps"] > 0
+            waiting.wait_for(lambda: helpers_of(watched.pid) == [], 30,
+                             "every helper to have exited",
+                             detail=lambda: f"alive: {helpers_of(watched.pid)}")
+            waiting.wait_for(lambda: fds_of(watched.pid) <= baseline, 30,
+                             f"the broker's descriptors back to {baseline}",
+                             detail=lambda: f"now {fds_of(watched.pid)}")
+        finally:
+            stub.release()
+
+
+def test_one_dev_fuse_mounts_once(watched: BrokerProcess,
+                                  broker_allocation: api.ContainerAllocateResponse) -> None:
+    """The kernel mounts a /dev/fuse that already serves a mount as one more mount of the
+    same superblock: one connection, as many mount points as asked, and the quota (which
+    counts connections) never saw them. The broker refuses the second and later ones."""
+    request = oci.ContainerRequest(
+        args=workloads.HOLD, allocation=broker_allocation, seccomp=profiles.runtime_default(),
+        binds=[broker_rig.attacker_bind()])
+    with oci.Runc() as runc:
+        tenant = runc.create(oci.build_spec(request), "reuser").start()
+        tally = attack(tenant, "ask", "--one-fuse", "--repeat", "20", "--mkdir", "op=mount",
+                       "path=/mnt/again/{i}")
+        assert tally["counts"] == {"ok": 1, "error": 19}, tally
+        [message] = tally["messages"]
+        assert "this /dev/fuse already serves a mount" in message
+        assert len(tenant.mounts()) == 1

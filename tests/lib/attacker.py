@@ -2,7 +2,8 @@
 broker's protocol directly, as a container's own root (or any uid) could, instead of
 going through the shim. Every command prints one JSON object on stdout.
 
-    attacker.py ask [--fuse] [--fd N] [--repeat N] [--mkdir] [--orphan] FIELD=VALUE...
+    attacker.py ask [--fuse] [--fd N] [--repeat N] [--mkdir] [--orphan] [--one-fuse]
+                    FIELD=VALUE...
     attacker.py chroot-ask DIR FIELD=VALUE...      connect, chroot(DIR), then ask
     attacker.py chroot-race DIR ITERATIONS FIELD=VALUE...
     attacker.py rename-race A B ITERATIONS PATH...
@@ -17,6 +18,9 @@ going through the shim. Every command prints one JSON object on stdout.
                                                  that writes every request's opcode, uid
                                                  and name to RECORD; --no-flush: FLUSH is
                                                  never answered; hold until stdin ends
+    attacker.py swap-ask DIR N FILE              name one fd as fuse_fd N times (mounting
+                                                 DIR/0...) while a thread swaps it between
+                                                 /dev/fuse and FILE
     attacker.py pass-fd FILE SOCKET              open FILE, and hand it (SCM_RIGHTS) to
                                                  whoever connects to SOCKET
     attacker.py ask-later [--fuse] FIELD=VALUE... connect (and open /dev/fuse), say so,
@@ -120,6 +124,8 @@ def cmd_ask(args: argparse.Namespace) -> dict[str, Any]:
         return orphan(fields)
     if not args.repeat:
         return ask_once(fields, args.fuse, args.fd)
+    if args.one_fuse:  # one /dev/fuse, named in every request
+        args.fd, args.fuse = open_fuse(), False
     results = []
     for i in range(args.repeat):
         these = [f.replace("{i}", str(i)) for f in fields]
@@ -365,9 +371,10 @@ def fuse_answer(opcode: int, node: int, body: bytes) -> tuple[int, bytes]:
     return -38, b""  # ENOSYS
 
 
-def serve_fuse(fd: int, record: str, never: frozenset[int]) -> None:
+def serve_fuse(fd: int, record: str, never: frozenset[int], outside_only: bool) -> None:
     """Read requests forever: record each, answer what the stub knows (never the
-    opcodes in ``never``)."""
+    opcodes in ``never``; with ``outside_only``, never them from a process outside the
+    container's PID namespace, which the kernel names as pid 0: the broker's helper)."""
     with open(record, "a", buffering=1) as log:
         while True:
             try:
@@ -380,7 +387,7 @@ def serve_fuse(fd: int, record: str, never: frozenset[int]) -> None:
                 if opcode == FUSE_LOOKUP else ""
             log.write(json.dumps({"opcode": opcode, "uid": uid, "gid": gid, "pid": pid,
                                   "name": name}) + "\n")
-            if opcode in NO_REPLY or opcode in never:
+            if opcode in NO_REPLY or (opcode in never and (pid == 0 or not outside_only)):
                 continue
             error, payload = fuse_answer(opcode, node, body)
             with contextlib.suppress(OSError):
@@ -392,10 +399,43 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
     fd = open_fuse()
     answer = ask_once([f"v={VERSION}", "op=mount", f"path={args.mountpoint}"], False, fd)
     if answer["status"] == "ok":
-        never = frozenset({FUSE_FLUSH, FUSE_RELEASE}) if args.no_flush else frozenset()
-        threading.Thread(target=serve_fuse, args=(fd, args.record, never),
+        never = frozenset({FUSE_FLUSH, FUSE_RELEASE}) \
+            if args.no_flush or args.no_flush_from_outside else frozenset()
+        threading.Thread(target=serve_fuse,
+                         args=(fd, args.record, never, args.no_flush_from_outside),
                          daemon=True).start()
     return answer
+
+
+def cmd_swap_ask(args: argparse.Namespace) -> dict[str, Any]:
+    """Name one fd number N as fuse_fd again and again while a thread swaps what N is
+    (dup2) between this process's /dev/fuse and FILE (in a FUSE mount): a helper that
+    judges N and then takes it may take FILE."""
+    fuse, other = open_fuse(), os.open(args.file, os.O_RDWR)
+    number = os.dup(fuse)
+    done = threading.Event()
+    swaps = 0
+
+    def swap() -> None:
+        nonlocal swaps
+        while not done.is_set():
+            os.dup2(other, number)
+            os.dup2(fuse, number)
+            swaps += 1
+
+    swapper = threading.Thread(target=swap, daemon=True)
+    swapper.start()
+    results = []
+    for i in range(args.n):
+        point = os.path.join(args.dir, str(i))
+        os.makedirs(point, exist_ok=True)
+        results.append(ask_once([f"v={VERSION}", "op=mount", f"path={point}"], False,
+                                number))
+    done.set()
+    swapper.join()
+    out = tally(results)
+    out["swaps"] = swaps
+    return out
 
 
 def cmd_pass_fd(args: argparse.Namespace) -> dict[str, Any]:
@@ -480,6 +520,11 @@ def add_fuse_commands(sub: Any) -> None:
     serve.add_argument("mountpoint")
     serve.add_argument("record")
     serve.add_argument("--no-flush", action="store_true")
+    serve.add_argument("--no-flush-from-outside", action="store_true")
+    swap_ask = sub.add_parser("swap-ask")
+    swap_ask.add_argument("dir")
+    swap_ask.add_argument("n", type=int)
+    swap_ask.add_argument("file")
     pass_fd = sub.add_parser("pass-fd")
     pass_fd.add_argument("file")
     pass_fd.add_argument("socket")
@@ -503,6 +548,7 @@ def main() -> int:
     ask.add_argument("--repeat", type=int, default=0)
     ask.add_argument("--mkdir", action="store_true")
     ask.add_argument("--orphan", action="store_true")
+    ask.add_argument("--one-fuse", action="store_true")
     ask.add_argument("fields", nargs="+")
     chroot_ask = sub.add_parser("chroot-ask")
     chroot_ask.add_argument("dir")
@@ -535,7 +581,7 @@ def main() -> int:
                 "descriptors": cmd_descriptors, "pin-and-hide": cmd_pin_and_hide,
                 "swap-race": cmd_swap_race, "serve": cmd_serve, "pass-fd": cmd_pass_fd,
                 "ask-with-fd": cmd_ask_with_fd, "ask-later": cmd_ask_later,
-                "mount-loop": cmd_mount_loop}
+                "mount-loop": cmd_mount_loop, "swap-ask": cmd_swap_ask}
     print(json.dumps(commands[args.command](args)), flush=True)
     if args.command in ("hold", "silent", "descriptors", "pin-and-hide", "serve", "pass-fd",
                         "ask-with-fd"):
