@@ -50,12 +50,12 @@ CDI_DIR = Path("/var/run/cdi")
 DRA_NS = "fdp-e2e-dra"
 
 
-def driver_overlay(overlay: Path, image: str) -> Path:
-    """`resources: [../manifests]`, `components: [../manifests/dra]`, the image set here
-    as in manifests/ (`kustomize edit set image` in this kustomization: the component's
-    objects are added at this level), and this cluster's one patch (see the module's
-    docstring)."""
-    dst = overlay.parent / "with-dra"
+def driver_overlay(overlay: Path, image: str, components: tuple[str, ...] = ("dra",)) -> Path:
+    """`resources: [../manifests]`, `components: [../manifests/dra]` (broker mode:
+    `[../manifests/broker, ../manifests/dra]`), the image set here as in manifests/
+    (`kustomize edit set image` in this kustomization: the components' objects are added
+    at this level), and this cluster's one patch (see the module's docstring)."""
+    dst = overlay.parent / f"with-{'-'.join(components)}"
     dst.mkdir(exist_ok=True)
     patch = {"apiVersion": "apps/v1", "kind": "DaemonSet",
              "metadata": {"name": DRIVER_DS, "namespace": PLUGIN_NS},
@@ -66,7 +66,8 @@ def driver_overlay(overlay: Path, image: str) -> Path:
     name, _, tag = image.rpartition(":")
     write_json(dst / "kustomization.yaml", {
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [f"../{overlay.name}"], "components": [f"../{overlay.name}/dra"],
+        "resources": [f"../{overlay.name}"],
+        "components": [f"../{overlay.name}/{c}" for c in components],
         "images": [{"name": "fuse-device-plugin", "newName": name, "newTag": tag}],
         "patches": [{"patch": json.dumps(patch)}]})
     return dst
@@ -251,3 +252,70 @@ def test_driver_restart_keeps_running_pods_and_serves_new_ones(
     finally:
         for n in (first, second):
             delete_pod(kubectl, api, DRA_NS, n)
+
+
+DRA_EXAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "dra" / "examples"
+CLAIM_POD = "sshfs-claim-example"
+CLAIM_NS = "fuse-dra-examples"
+
+
+def claim_example_overlay(tmp: Path, servers: Servers, images: dict[str, str]) -> Path:
+    """manifests/dra/examples/ as a user fills it in: the tool image, the key and the
+    server's host key line, REMOTE."""
+    dst = tmp / "dra-examples"
+    dst.mkdir()
+    for f in DRA_EXAMPLES.glob("*.yaml"):
+        if f.name != "kustomization.yaml":
+            (dst / f.name).write_text(f.read_text())
+    name, _, tag = images["EXAMPLE_SSHFS_NONROOT_IMAGE"].rpartition(":")
+    write_json(dst / "kustomization.yaml", {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": ["namespace.yaml", "claim-template.yaml", "sshfs-claim-pod.yaml"],
+        "images": [{"name": "fuse-example-sshfs-nonroot", "newName": name, "newTag": tag}],
+        "patches": [{"patch": json.dumps(p)} for p in [
+            {"apiVersion": "v1", "kind": "Secret",
+             "metadata": {"name": "sshfs-key", "namespace": CLAIM_NS},
+             "stringData": {"id_ed25519": servers.client_key,
+                            "known_hosts": f"{servers.sshd_ip} {servers.host_key_pub}\n"}},
+            {"apiVersion": "v1", "kind": "Pod",
+             "metadata": {"name": CLAIM_POD, "namespace": CLAIM_NS},
+             "spec": {"containers": [{"name": "sshfs", "env": [
+                 {"name": "REMOTE", "value": f"root@{servers.sshd_ip}:/srv/data"}]}]}}]]})
+    return dst
+
+
+def test_broker_mode_claim_mounts_at_restricted(
+    *, dra_deployed: dict[str, Any], servers: Servers, kubectl: Kubectl, api: Api,
+    overlay: Path, images: dict[str, str], tmp_path: Path
+) -> None:
+    """Broker mode through DRA, chosen per claim: the broker component and the driver
+    (`components: [manifests/broker, manifests/dra]`), then manifests/dra/examples/: a
+    ResourceClaimTemplate whose opaque config says `mode: broker` and a uid-1000 pod in a
+    `restricted` namespace that mounts sshfs through the shim and the broker the claim's
+    CDI spec binds into it."""
+    kubectl(*APPLY, "-k", str(driver_overlay(overlay, images["PLUGIN_IMAGE"],
+                                             ("broker", "dra"))))
+    for ds in ("fuse-mount-broker", DRIVER_DS):
+        rollout(kubectl, ds)
+    kubectl(*APPLY, "-k", str(claim_example_overlay(tmp_path, servers, images)))
+    try:
+        mount = wait_mounted(kubectl, api, CLAIM_POD, "/mnt/remote", "fuse.sshfs",
+                             namespace=CLAIM_NS)
+        [pod] = [p for p in api.pods(CLAIM_NS) if p["metadata"]["name"] == CLAIM_POD]
+        token = uuid.uuid4().hex
+        exec_in(kubectl, SERVERS_NS, "sshd", f"echo claim-{token} > /srv/data/claim.txt")
+        read = exec_in(kubectl, CLAIM_NS, CLAIM_POD, "cat /mnt/remote/claim.txt")
+        status = exec_in(kubectl, CLAIM_NS, CLAIM_POD,
+                         "id -u; grep -E '^CapEff:' /proc/self/status")
+        specs = [json.loads(f.read_text()) for f in claim_specs()]
+        binds = [m["containerPath"] for sp in specs for d in sp.get("devices", [])
+                 for m in d.get("containerEdits", {}).get("mounts", [])]
+        proof = evidence("dra-broker", pod_summary(pod), mount, f"server -> pod: {read}",
+                         *status.splitlines(), f"CDI binds: {binds}") \
+            + "\n" + driver_log(kubectl, api)
+        assert "user_id=1000" in mount, proof
+        assert read == f"claim-{token}", proof
+        assert status.split()[0] == "1000", proof
+        assert binds, proof
+    finally:
+        delete_pod(kubectl, api, CLAIM_NS, CLAIM_POD)
