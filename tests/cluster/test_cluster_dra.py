@@ -85,12 +85,13 @@ def claim_specs() -> list[Path]:
     return sorted(CDI_DIR.glob(f"{DRIVER}-*.json"))
 
 
-def driver_log(kubectl: Kubectl, api: Api) -> str:
+def driver_log(kubectl: Kubectl, api: Api, tail: int = 40) -> str:
+    """The driver's log (its last ``tail`` lines; -1: all of it)."""
     pods = api.pods(PLUGIN_NS, DRIVER_SELECTOR)
     if not pods:
         return "no driver pod"
-    return kubectl.run("-n", PLUGIN_NS, "logs", pods[0]["metadata"]["name"], "--tail=40",
-                       check=False).stdout
+    return kubectl.run("-n", PLUGIN_NS, "logs", pods[0]["metadata"]["name"],
+                       f"--tail={tail}", check=False).stdout
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +225,43 @@ def test_uid_1000_opens_dev_fuse_on_a_0600_node_through_the_cdi_node(
         assert "opened /dev/fuse" in out, proof
     finally:
         delete_pod(kubectl, api, DRA_NS, name)
+
+
+def test_kubelet_restart_keeps_running_pods_and_serves_new_ones(
+    *, dra_deployed: dict[str, Any], cluster: Cluster, kubectl: Kubectl, api: Api,
+    images: dict[str, str]
+) -> None:
+    """The kubelet restarted under a running driver: the driver registers again with the
+    new kubelet by itself (no container restart), a pod prepared before keeps its
+    /dev/fuse, and a new pod is prepared."""
+    kubectl(*APPLY, "-f", "-", stdin=json.dumps({
+        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": DRA_NS}}))
+    first, second = "before-kubelet", "after-kubelet"
+    kubectl(*APPLY, "-f", "-", stdin=json.dumps(fuse_pod(first, images["WORKLOAD_IMAGE"], 0)))
+    try:
+        wait_ready(api, DRA_NS, first)
+        driver = daemonset_pod(api, PLUGIN_NS, DRIVER_SELECTOR)
+        restarts = driver["status"]["containerStatuses"][0]["restartCount"]
+        registered = driver_log(kubectl, api, -1).count(" registered ")
+        cluster.restart_kubelet()
+        wait_for(lambda: driver_log(kubectl, api, -1).count(" registered ") > registered, 90,
+                 "the driver to register with the restarted kubelet",
+                 detail=lambda: driver_log(kubectl, api))
+        still = exec_in(kubectl, DRA_NS, first, "(exec 3<>/dev/fuse) && echo still opens")
+        kubectl(*APPLY, "-f", "-",
+                stdin=json.dumps(fuse_pod(second, images["WORKLOAD_IMAGE"], 0)))
+        ready = wait_ready(api, DRA_NS, second)
+        after = daemonset_pod(api, PLUGIN_NS, DRIVER_SELECTOR)
+        lines = [ln for ln in driver_log(kubectl, api, -1).splitlines()
+                 if " registered " in ln]
+        proof = evidence("dra-kubelet-restart", *lines[-2:], f"{first}: {still}",
+                         pod_summary(ready), pod_summary(after))
+        assert after["metadata"]["uid"] == driver["metadata"]["uid"], proof
+        assert after["status"]["containerStatuses"][0]["restartCount"] == restarts, proof
+        assert "still opens" in still, proof
+    finally:
+        for n in (first, second):
+            delete_pod(kubectl, api, DRA_NS, n)
 
 
 def test_driver_restart_keeps_running_pods_and_serves_new_ones(
