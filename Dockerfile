@@ -13,16 +13,19 @@ ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS builder
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY fuse_plugin ./fuse_plugin
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 # Broker mode's fusermount3 shim (runs inside arbitrary workload images) and
 # fuse-broker-helper (the broker's hands in a caller's namespaces): static, no loader.
+# The compiler comes first and the C sources alone next, so a Python change rebuilds
+# only the wheel.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc musl-tools \
     && rm -rf /var/lib/apt/lists/*
 COPY scripts/build-native ./scripts/build-native
+COPY fuse_plugin/broker/native ./fuse_plugin/broker/native
 RUN scripts/build-native /native
+COPY pyproject.toml README.md ./
+COPY fuse_plugin ./fuse_plugin
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE}
 ARG VERSION=0.1.0
@@ -41,9 +44,10 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends apparmor \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=builder /native/ /usr/local/libexec/fuse-device-plugin/
-COPY --from=builder /wheels/fuse_device_plugin-0.1.0-py3-none-any.whl /tmp/
-RUN pip install --no-cache-dir /tmp/fuse_device_plugin-0.1.0-py3-none-any.whl \
-    && rm /tmp/fuse_device_plugin-0.1.0-py3-none-any.whl \
+# The one wheel the builder made, whatever pyproject.toml's version names it.
+COPY --from=builder /wheels/ /tmp/wheels/
+RUN pip install --no-cache-dir /tmp/wheels/*.whl \
+    && rm -rf /tmp/wheels \
     && fuse-device-plugin --version
 # Runs as root on purpose: the kubelet's device-plugin directory is root-owned, and the
 # manifests drop every capability. The kubelet stops pods with SIGTERM; the plugin

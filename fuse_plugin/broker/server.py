@@ -218,7 +218,10 @@ class Broker:
         for what, path in (("--shim", settings.shim),
                            (f"{HELPER_NAME} (beside --shim)", self.helper)):
             if not os.access(path, os.X_OK) or not path.is_file():
-                raise Failure(f"{what} {path} is not an executable file", EXIT_USAGE)
+                raise Failure(f"{what} {path} is not an executable file; the image has both "
+                              f"in {DEFAULT_SHIM.parent}, and a pip install builds none: "
+                              "`scripts/build-native DIR` from the source tree (Debian: gcc "
+                              "musl-tools), then --shim DIR/fusermount3", EXIT_USAGE)
         try:
             _ensure_fusectl()
             held = self.records.load()

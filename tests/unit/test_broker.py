@@ -462,6 +462,17 @@ def broker_command(tmp_path: Path, shim: Path, *extra: str) -> list[str]:
             "--shim", str(shim), "--state-dir", str(tmp_path / "state"), *extra]
 
 
+def test_a_pip_installed_broker_says_in_one_line_how_to_get_its_programs(
+        tmp_path: Path) -> None:
+    """The wheel carries no compiled programs: `broker` with the default --shim (the
+    image's path), which a pip install lacks, names the command that builds them."""
+    command = broker_command(tmp_path, Path("/nonexistent/libexec/fusermount3"))
+    result = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2
+    assert "scripts/build-native DIR" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (("--max-mounts", "0"), "--max-mounts: must be a whole number from 1 to 10000"),
     (("--max-mounts", " 5"), "--max-mounts: must be a whole number from 1 to 10000"),
