@@ -1109,6 +1109,13 @@ int main(int argc, char *argv[])
 		fprintf(stderr, "usage: fuse-broker-helper CTLFD PIDFD MNTNSFD [USERNSFD]\n");
 		return 2;
 	}
+	/* Not dumpable before it enters a tenant's namespaces, as runc's nsexec: a process
+	 * of the tenant's user namespace could otherwise ptrace the helper (its creds then
+	 * belong to that namespace) or read its memory through /proc. Changing the fsuid in
+	 * become_caller has the same effect only where suid_dumpable is 0 and the fsuid
+	 * changes (not for a node-root caller). */
+	if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == -1)
+		failed("prctl PR_SET_DUMPABLE");
 	ctl = (int)number(argv[1], 1 << 20);
 	pidfd = (int)number(argv[2], 1 << 20);
 	mntns = (int)number(argv[3], 1 << 20);
