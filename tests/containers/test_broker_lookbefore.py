@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +30,6 @@ from tests.lib.broker import BrokerProcess, Held, attack
 ASKS = 400
 FUSE_FLUSH = 25
 RECORD = "/tmp/requests.jsonl"
-
-
-@pytest.fixture
-def watched(broker_dir: Path, tmp_path: Path) -> Iterator[BrokerProcess]:
-    broker = BrokerProcess(broker_dir, tmp_path / "broker", broker_rig.shim())
-    broker.start()
-    try:
-        yield broker
-    finally:
-        broker.stop()
 
 
 def helpers_of(pid: int) -> list[int]:
@@ -66,7 +55,7 @@ def fds_of(pid: int) -> int:
     ("its own", "it is a file in a FUSE mount"),
 ])
 def test_a_descriptor_in_a_fuse_mount_is_never_taken(
-        watched: BrokerProcess, broker_allocation: api.ContainerAllocateResponse,
+        broker: BrokerProcess, broker_allocation: api.ContainerAllocateResponse,
         tmp_path: Path, whose: str, why: str) -> None:
     """B names A's file (another tenant's FUSE mount), or A names its own."""
     shared = tmp_path / "shared"
@@ -84,7 +73,7 @@ def test_a_descriptor_in_a_fuse_mount_is_never_taken(
         giver = Held(a, "pass-fd", "/mnt/stub/file", "/shared/fd.sock")
         if whose == "its own":
             b = a
-        baseline = fds_of(watched.pid)
+        baseline = fds_of(broker.pid)
         # B's process keeps the descriptor until released: its own close would wait on
         # A's FLUSH, which A answers only by going away.
         taker = Held(b, "ask-with-fd", "/shared/fd.sock", str(ASKS), "op=mount",
@@ -94,15 +83,15 @@ def test_a_descriptor_in_a_fuse_mount_is_never_taken(
             assert tally["counts"] == {"error": ASKS}, tally
             [message] = tally["messages"]
             assert f"is not /dev/fuse opened for reading and writing ({why})" in message
-            waiting.wait_for(lambda: helpers_of(watched.pid) == [], 30,
+            waiting.wait_for(lambda: helpers_of(broker.pid) == [], 30,
                              "every helper to have exited",
-                             detail=lambda: f"alive: {helpers_of(watched.pid)}")
-            waiting.wait_for(lambda: fds_of(watched.pid) <= baseline, 30,
+                             detail=lambda: f"alive: {helpers_of(broker.pid)}")
+            waiting.wait_for(lambda: fds_of(broker.pid) <= baseline, 30,
                              f"the broker's descriptors back to {baseline}",
-                             detail=lambda: f"now {fds_of(watched.pid)}")
+                             detail=lambda: f"now {fds_of(broker.pid)}")
             flushes = [r for r in requests_seen(a) if r["opcode"] == FUSE_FLUSH]
             assert flushes == [], f"a FLUSH reached A's daemon: {flushes} {who(flushes)}"
-            assert watched.events("broker.stalled") == []
+            assert broker.events("broker.stalled") == []
         finally:
             stub.release()  # A's daemon goes: the waiting closes end
             taker.release()
@@ -133,7 +122,7 @@ SWAPS = 400
 
 
 def test_a_descriptor_swapped_between_judgement_and_take_is_bounded(
-        watched: BrokerProcess, broker_allocation: api.ContainerAllocateResponse) -> None:
+        broker: BrokerProcess, broker_allocation: api.ContainerAllocateResponse) -> None:
     """The one window left: the caller swaps its fd (dup2) between the helper's judgement
     and its take. A helper that takes the FUSE file refuses it, and its exit waits on the
     stub, which never answers a FLUSH from outside the container (the helper's, pid 0
@@ -149,24 +138,24 @@ def test_a_descriptor_swapped_between_judgement_and_take_is_bounded(
         tenant.sh("mkdir -p /mnt/stub /mnt/r").check()
         stub = Held(tenant, "serve", "/mnt/stub", RECORD, "--no-flush-from-outside")
         assert stub.answer["status"] == "ok"
-        baseline = fds_of(watched.pid)
+        baseline = fds_of(broker.pid)
         try:
             tally = attack(tenant, "swap-ask", "/mnt/r", str(SWAPS), "/mnt/stub/file",
                            timeout=600)
             assert set(tally["counts"]) <= {"ok", "error"}, tally
             assert sum(tally["counts"].values()) == SWAPS
             assert tally["swaps"] > 0
-            waiting.wait_for(lambda: helpers_of(watched.pid) == [], 30,
+            waiting.wait_for(lambda: helpers_of(broker.pid) == [], 30,
                              "every helper to have exited",
-                             detail=lambda: f"alive: {helpers_of(watched.pid)}")
-            waiting.wait_for(lambda: fds_of(watched.pid) <= baseline, 30,
+                             detail=lambda: f"alive: {helpers_of(broker.pid)}")
+            waiting.wait_for(lambda: fds_of(broker.pid) <= baseline, 30,
                              f"the broker's descriptors back to {baseline}",
-                             detail=lambda: f"now {fds_of(watched.pid)}")
+                             detail=lambda: f"now {fds_of(broker.pid)}")
         finally:
             stub.release()
 
 
-def test_one_dev_fuse_mounts_once(watched: BrokerProcess,
+def test_one_dev_fuse_mounts_once(broker: BrokerProcess,
                                   broker_allocation: api.ContainerAllocateResponse) -> None:
     """The kernel mounts a /dev/fuse that already serves a mount as one more mount of the
     same superblock: one connection, as many mount points as asked, and the quota (which

@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from fuse_plugin.api import api_pb2 as api
 from tests.lib import broker as broker_rig
@@ -28,16 +25,6 @@ from tests.lib.broker import BrokerProcess, Held
 
 RECORD = "/tmp/requests.jsonl"
 FUSE_LOOKUP = 1
-
-
-@pytest.fixture
-def pid_broker(broker_dir: Path, tmp_path: Path) -> Iterator[BrokerProcess]:
-    broker = BrokerProcess(broker_dir, tmp_path / "broker", broker_rig.shim())
-    broker.start()
-    try:
-        yield broker
-    finally:
-        broker.stop()
 
 
 def lookups(container: oci.RuncContainer) -> dict[str, list[dict[str, Any]]]:
@@ -50,7 +37,7 @@ def lookups(container: oci.RuncContainer) -> dict[str, list[dict[str, Any]]]:
 
 
 def test_the_daemon_sees_container_pids_and_nothing_of_the_nodes(
-        pid_broker: BrokerProcess, broker_allocation: api.ContainerAllocateResponse) -> None:
+        broker: BrokerProcess, broker_allocation: api.ContainerAllocateResponse) -> None:
     request = oci.ContainerRequest(args=workloads.HOLD, allocation=broker_allocation,
                                    seccomp=profiles.runtime_default(),
                                    binds=[broker_rig.attacker_bind()])

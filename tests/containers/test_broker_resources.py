@@ -22,7 +22,6 @@ import resource
 import subprocess
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -37,17 +36,7 @@ TENANTS = 3
 
 
 @pytest.fixture
-def starved(broker_dir: Path, tmp_path: Path) -> Iterator[BrokerProcess]:
-    broker = BrokerProcess(broker_dir, tmp_path / "broker", broker_rig.shim())
-    broker.start()
-    try:
-        yield broker
-    finally:
-        broker.stop()
-
-
-@pytest.fixture
-def tenants(starved: BrokerProcess, broker_allocation: api.ContainerAllocateResponse
+def tenants(broker: BrokerProcess, broker_allocation: api.ContainerAllocateResponse
             ) -> Iterator[list[oci.RuncContainer]]:
     request = oci.ContainerRequest(args=workloads.HOLD, allocation=broker_allocation,
                                    seccomp=profiles.runtime_default(),
@@ -69,39 +58,39 @@ def free_below(pid: int, count: int) -> int:
 
 
 def test_at_every_descriptor_count_a_request_is_answered_and_the_broker_stays(
-        starved: BrokerProcess, tenants: list[oci.RuncContainer]) -> None:
+        broker: BrokerProcess, tenants: list[oci.RuncContainer]) -> None:
     tenant = tenants[0]
-    soft, hard = resource.prlimit(starved.pid, resource.RLIMIT_NOFILE)
+    soft, hard = resource.prlimit(broker.pid, resource.RLIMIT_NOFILE)
     answers: Counter[str] = Counter()
     try:
         for rung in RUNGS:
             tenant.sh(f"mkdir -p /mnt/rung{rung}").check()
-            resource.prlimit(starved.pid, resource.RLIMIT_NOFILE,
-                             (free_below(starved.pid, rung), hard))
+            resource.prlimit(broker.pid, resource.RLIMIT_NOFILE,
+                             (free_below(broker.pid, rung), hard))
             answer = attack(tenant, "ask", "--fuse", "op=mount", f"path=/mnt/rung{rung}")
             assert answer["status"] in ("ok", "error"), (rung, answer)
             answers[answer["message"][:60] or "ok"] += 1
-            assert alive(starved), f"the broker exited at {rung} free descriptors: " \
-                f"{starved.log()[-2000:]}"
-        limit = free_below(starved.pid, 6)
-        resource.prlimit(starved.pid, resource.RLIMIT_NOFILE, (limit, hard))
+            assert alive(broker), f"the broker exited at {rung} free descriptors: " \
+                f"{broker.log()[-2000:]}"
+        limit = free_below(broker.pid, 6)
+        resource.prlimit(broker.pid, resource.RLIMIT_NOFILE, (limit, hard))
         floods = [subprocess.Popen(
             t.runc.command("exec", t.id, "python3", ATTACKER_IN_CONTAINER, "ask", "--fuse",
                            "--repeat", str(FLOOD), "op=mount", "path=/mnt/none{i}"),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for t in tenants]
         outputs = [f.communicate(timeout=300)[0] for f in floods]
     finally:
-        resource.prlimit(starved.pid, resource.RLIMIT_NOFILE, (soft, hard))
+        resource.prlimit(broker.pid, resource.RLIMIT_NOFILE, (soft, hard))
     assert [f.returncode for f in floods] == [0] * TENANTS, outputs
     for output in outputs:  # every request answered: none closed without a word
         assert set(json.loads(output)["counts"]) <= {"ok", "error"}, output
-    assert alive(starved)
-    assert "Traceback" not in starved.log()
-    short = [e for e in starved.events("broker.refused")
+    assert alive(broker)
+    assert "Traceback" not in broker.log()
+    short = [e for e in broker.events("broker.refused")
              if "short of resources" in str(e.get("reason", ""))]
     assert short, f"no request was refused for want of descriptors: {answers}"
     assert all(e["kind"] == "busy" for e in short)
-    assert starved.events("broker.accept_paused")
+    assert broker.events("broker.accept_paused")
     # Its limit back, the broker serves as before.
     tenant.sh("mkdir -p /mnt/after").check()
     after = attack(tenant, "ask", "--fuse", "op=mount", "path=/mnt/after")
@@ -111,33 +100,33 @@ def test_at_every_descriptor_count_a_request_is_answered_and_the_broker_stays(
 
 
 def test_out_of_descriptors_between_accept_and_request(
-        starved: BrokerProcess, tenants: list[oci.RuncContainer]) -> None:
+        broker: BrokerProcess, tenants: list[oci.RuncContainer]) -> None:
     """The issue's traceback: a connection accepted while descriptors were free, its
     request read when none are, so the first open for it (/proc/N/status) fails. The
     request is refused "busy" with the reason, and the broker stays."""
     tenant = tenants[0]
     tenant.sh("mkdir -p /mnt/later").check()
-    before = len(os.listdir(f"/proc/{starved.pid}/fd"))
+    before = len(os.listdir(f"/proc/{broker.pid}/fd"))
     later = Held(tenant, "ask-later", "--fuse", "op=mount", "path=/mnt/later")
     assert later.answer == {"connected": True}
-    waiting.wait_for(lambda: len(os.listdir(f"/proc/{starved.pid}/fd")) >= before + 2, 30,
+    waiting.wait_for(lambda: len(os.listdir(f"/proc/{broker.pid}/fd")) >= before + 2, 30,
                      "the broker to accept the connection (its socket and pidfd)")
-    soft, hard = resource.prlimit(starved.pid, resource.RLIMIT_NOFILE)
+    soft, hard = resource.prlimit(broker.pid, resource.RLIMIT_NOFILE)
     try:
-        resource.prlimit(starved.pid, resource.RLIMIT_NOFILE,
-                         (free_below(starved.pid, 1) - 1, hard))  # no number free
+        resource.prlimit(broker.pid, resource.RLIMIT_NOFILE,
+                         (free_below(broker.pid, 1) - 1, hard))  # no number free
         assert later.proc.stdin is not None
         assert later.proc.stdout is not None
         later.proc.stdin.write(b"go\n")
         later.proc.stdin.flush()
         answer = json.loads(later.proc.stdout.readline())
     finally:
-        resource.prlimit(starved.pid, resource.RLIMIT_NOFILE, (soft, hard))
+        resource.prlimit(broker.pid, resource.RLIMIT_NOFILE, (soft, hard))
     later.release()
     assert answer["status"] == "error"
     assert "the broker is short of resources" in answer["message"], answer
     assert "Too many open files" in answer["message"]
-    assert alive(starved)
-    assert "Traceback" not in starved.log()
+    assert alive(broker)
+    assert "Traceback" not in broker.log()
     tenant.sh("mkdir -p /mnt/again").check()
     assert attack(tenant, "ask", "--fuse", "op=mount", "path=/mnt/again")["status"] == "ok"
