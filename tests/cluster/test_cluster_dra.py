@@ -150,6 +150,13 @@ def fuse_pod(name: str, image: str, uid: int) -> dict[str, Any]:
     }
 
 
+def apply_fuse_pod(kubectl: Kubectl, name: str, images: dict[str, str], uid: int) -> None:
+    """``fuse_pod`` applied, in its namespace (made if missing)."""
+    kubectl(*APPLY, "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": DRA_NS}},
+        fuse_pod(name, images["WORKLOAD_IMAGE"], uid)]}))
+
+
 def test_one_line_pod_is_scheduled_and_prepared_through_dra_and_mounts(
     *, dra_deployed: dict[str, Any], servers: Servers, kubectl: Kubectl, api: Api,
     images: dict[str, str], tmp_path: Path
@@ -205,10 +212,8 @@ def test_uid_1000_opens_dev_fuse_on_a_0600_node_through_the_cdi_node(
     container's node with mode 0666, where the device plugin's DeviceSpec copies the
     node's own mode. (A `hostUsers: false` pod gets the node's device bound instead, whose
     mode is the node's.)"""
-    kubectl(*APPLY, "-f", "-", stdin=json.dumps({
-        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": DRA_NS}}))
     name = "uid1000-fuse"
-    kubectl(*APPLY, "-f", "-", stdin=json.dumps(fuse_pod(name, images["WORKLOAD_IMAGE"], 1000)))
+    apply_fuse_pod(kubectl, name, images, 1000)
     try:
         wait_ready(api, DRA_NS, name)
 
@@ -234,10 +239,8 @@ def test_kubelet_restart_keeps_running_pods_and_serves_new_ones(
     """The kubelet restarted under a running driver: the driver registers again with the
     new kubelet by itself (no container restart), a pod prepared before keeps its
     /dev/fuse, and a new pod is prepared."""
-    kubectl(*APPLY, "-f", "-", stdin=json.dumps({
-        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": DRA_NS}}))
     first, second = "before-kubelet", "after-kubelet"
-    kubectl(*APPLY, "-f", "-", stdin=json.dumps(fuse_pod(first, images["WORKLOAD_IMAGE"], 0)))
+    apply_fuse_pod(kubectl, first, images, 0)
     try:
         wait_ready(api, DRA_NS, first)
         driver = daemonset_pod(api, PLUGIN_NS, DRIVER_SELECTOR)
@@ -248,8 +251,7 @@ def test_kubelet_restart_keeps_running_pods_and_serves_new_ones(
                  "the driver to register with the restarted kubelet",
                  detail=lambda: driver_log(kubectl, api))
         still = exec_in(kubectl, DRA_NS, first, "(exec 3<>/dev/fuse) && echo still opens")
-        kubectl(*APPLY, "-f", "-",
-                stdin=json.dumps(fuse_pod(second, images["WORKLOAD_IMAGE"], 0)))
+        apply_fuse_pod(kubectl, second, images, 0)
         ready = wait_ready(api, DRA_NS, second)
         after = daemonset_pod(api, PLUGIN_NS, DRIVER_SELECTOR)
         lines = [ln for ln in driver_log(kubectl, api, -1).splitlines()
@@ -269,18 +271,15 @@ def test_driver_restart_keeps_running_pods_and_serves_new_ones(
 ) -> None:
     """`kubectl delete pod` of the driver: a pod prepared by the old driver keeps its
     /dev/fuse, the new driver re-registers and republishes, and a new pod is prepared."""
-    kubectl(*APPLY, "-f", "-", stdin=json.dumps({
-        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": DRA_NS}}))
     first, second = "before-restart", "after-restart"
-    kubectl(*APPLY, "-f", "-", stdin=json.dumps(fuse_pod(first, images["WORKLOAD_IMAGE"], 0)))
+    apply_fuse_pod(kubectl, first, images, 0)
     try:
         wait_ready(api, DRA_NS, first)
         old = daemonset_pod(api, PLUGIN_NS, DRIVER_SELECTOR)
         kubectl("-n", PLUGIN_NS, "delete", "pod", old["metadata"]["name"], "--wait=true")
         new = daemonset_pod(api, PLUGIN_NS, DRIVER_SELECTOR, not_uid=old["metadata"]["uid"])
         still = exec_in(kubectl, DRA_NS, first, "(exec 3<>/dev/fuse) && echo still opens")
-        kubectl(*APPLY, "-f", "-",
-                stdin=json.dumps(fuse_pod(second, images["WORKLOAD_IMAGE"], 0)))
+        apply_fuse_pod(kubectl, second, images, 0)
         ready = wait_ready(api, DRA_NS, second)
         proof = evidence("dra-restart", f"old driver {old['metadata']['name']} -> "
                          + pod_summary(new), f"{first}: {still}", pod_summary(ready),
