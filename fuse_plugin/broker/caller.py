@@ -10,8 +10,10 @@ nsfs): nothing a tenant's filesystem could answer or stall.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
+import functools
 import os
 import signal
 import socket
@@ -113,6 +115,34 @@ def identify(conn: socket.socket) -> Caller:
     if pid <= 0:
         raise policy.Refused("the caller's pid is not visible (the broker needs host PID)",
                              "caller")
+    pidfd = _peer_pidfd(conn, pid)
+    os.set_inheritable(pidfd, False)
+    caller = Caller(pid=pid, uid=uid, gid=gid, pidfd=pidfd, container="")
+    key = _process_key(pidfd)
+    known = _CONTAINERS.get(key) if key else None
+    if known is not None:  # this very process was named before: no /proc read
+        _CONTAINERS.move_to_end(key)
+        caller.container = known
+        return caller
+    try:
+        caller.container = _cgroup(pid)
+    except OSError as err:
+        caller.close()
+        if policy.out_of_resources(err):
+            raise policy.OutOfResources(f"reading /proc/{pid}/cgroup", err) from None
+        raise policy.Refused(f"the calling process {pid} has exited", "caller") from None
+    if not caller.alive():
+        caller.close()
+        raise policy.Refused(f"the calling process {pid} has exited", "caller")
+    if key:
+        _CONTAINERS[key] = caller.container
+        if len(_CONTAINERS) > CACHED_PROCESSES:
+            _CONTAINERS.popitem(last=False)
+    return caller
+
+
+def _peer_pidfd(conn: socket.socket, pid: int) -> int:
+    """A pidfd for exactly the process that connected."""
     try:
         pidfd = conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
     except OSError as err:
@@ -129,19 +159,37 @@ def identify(conn: socket.socket) -> Caller:
             if policy.out_of_resources(err):
                 raise policy.OutOfResources("the caller's pidfd", err) from None
             raise
-    os.set_inheritable(pidfd, False)
-    caller = Caller(pid=pid, uid=uid, gid=gid, pidfd=pidfd, container="")
+    return pidfd
+
+
+# Reading /proc/PID/cgroup was a third of the broker's time per refused request (the
+# kernel formats every hierarchy), and a flooding tenant asks from the same few
+# processes. A process is named by its pidfd's inode, which the kernel (pidfs, Linux
+# 6.9+) never gives another process, unlike its pid; a process stays in its container's
+# cgroup (a tenant cannot write the cgroup tree). Bounded, least recently used first out.
+CACHED_PROCESSES = 4096
+_CONTAINERS: collections.OrderedDict[int, str] = collections.OrderedDict()
+
+
+def _process_key(pidfd: int) -> int:
+    """The process's unique inode, or 0 where pidfds share one inode (before pidfs)."""
+    return os.fstat(pidfd).st_ino if _pidfd_inodes_unique() else 0
+
+
+@functools.cache
+def _pidfd_inodes_unique() -> bool:
+    """Whether two processes' pidfds have different inodes (pidfs) or one (anon inode)."""
+    own = os.pidfd_open(os.getpid())
     try:
-        caller.container = _cgroup(pid)
-    except OSError as err:
-        caller.close()
-        if policy.out_of_resources(err):
-            raise policy.OutOfResources(f"reading /proc/{pid}/cgroup", err) from None
-        raise policy.Refused(f"the calling process {pid} has exited", "caller") from None
-    if not caller.alive():
-        caller.close()
-        raise policy.Refused(f"the calling process {pid} has exited", "caller")
-    return caller
+        parent = os.pidfd_open(os.getppid())
+    except OSError:  # no parent to compare with (pid 1 of a namespace): no cache
+        os.close(own)
+        return False
+    try:
+        return os.fstat(own).st_ino != os.fstat(parent).st_ino
+    finally:
+        os.close(own)
+        os.close(parent)
 
 
 def _cgroup(pid: int) -> str:

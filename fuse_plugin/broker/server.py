@@ -73,6 +73,7 @@ KILL_GRACE = 2.0  # a killed helper still alive after this is stuck on a FUSE da
 ACCEPT_PAUSE = 1.0  # out of fds: the backlog waits this long before the next accept
 STOP_GRACE = 3.0  # SIGTERM: running helpers may finish within this
 PRUNE_EVERY = 10.0  # records of connections that ended are dropped this often
+ACCEPTS_PER_TURN = 16  # new connections taken per turn: a flood waits in the backlog
 TURN = 1.0  # the loop turns at least this often (the liveness probe watches it)
 SO_PASSRIGHTS = 83  # Linux 6.16+
 
@@ -158,6 +159,7 @@ class _Work:
     started: float = field(default_factory=time.perf_counter)
     fields: dict[str, object] = field(default_factory=dict)
     answered: bool = False
+    watched: bool = False  # registered with the selector until its request arrives
 
     @property
     def container(self) -> str:
@@ -339,8 +341,13 @@ class Broker:
         if self._paused_until:
             deadlines.append(self._paused_until)
         timeout = max(0.0, min([now + longest, *deadlines]) - now)
-        for key, _ in self._selector.select(timeout):
-            self._survive(self._dispatch, key.data)
+        # Requests already under way first (their helpers' messages), new connections
+        # last: under load a mount in progress moves on every turn, however many new
+        # connections a flood has queued.
+        ready = sorted((key.data for key, _ in self._selector.select(timeout)),
+                       key=_urgency)
+        for data in ready:
+            self._survive(self._dispatch, data)
         self._survive(self._expire, time.monotonic())
 
     def _dispatch(self, data: object) -> None:
@@ -388,7 +395,7 @@ class Broker:
 
     def _accept(self) -> None:
         assert self._listener is not None
-        for _ in range(64):  # then let the others have a turn
+        for _ in range(ACCEPTS_PER_TURN):  # then let the others have a turn
             try:
                 sock, _ = self._listener.accept()
             except BlockingIOError:
@@ -417,7 +424,9 @@ class Broker:
             work = _Work(sock, who, time.monotonic() + REQUEST_DEADLINE)
             work.fields.update(pid=who.pid, uid=who.uid, cgroup=who.container)
             self._waiting[sock.fileno()] = work
-            self._selector.register(sock, selectors.EVENT_READ, work)
+            # The shim sends as soon as it connects, so the request is usually there
+            # already: read it now rather than after another turn of the selector.
+            self._receive(work)
 
     def _refuse_at_accept(self, sock: socket.socket, who: callers.Caller | None,
                           refused: policy.Refused) -> None:
@@ -473,6 +482,9 @@ class Broker:
         try:
             data = work.sock.recv(protocol.MAX_MESSAGE + 1)
         except BlockingIOError:
+            if not work.watched:
+                self._selector.register(work.sock, selectors.EVENT_READ, work)
+                work.watched = True
             return
         except OSError:
             data = b""
@@ -504,7 +516,9 @@ class Broker:
 
     def _unwait(self, work: _Work) -> None:
         """The connection leaves the selector: its request arrived, or it never will."""
-        self._selector.unregister(work.sock)
+        if work.watched:
+            self._selector.unregister(work.sock)
+            work.watched = False
         del self._waiting[work.sock.fileno()]
 
     def _prepare(self, work: _Work, data: bytes) -> None:
@@ -527,6 +541,12 @@ class Broker:
             pod = policy.pod_of(who.container)
             policy.room_in_pod(self.records.held_by_pod(pod), self.settings.max_mounts_pod,
                                pod)
+        elif not self.records.connections(who.container):
+            # Only a mount the broker made for this container may be unmounted: with none
+            # recorded, the answer needs no helper (an unmount flood cost one each, ten
+            # times a refusal by the rules).
+            raise policy.Refused("it is not a mount the broker made for this container (it "
+                                 "holds none); the broker removes only its own", "unmount")
         who.open()
         work.fields["namespace"] = who.namespace
 
@@ -812,6 +832,13 @@ class Broker:
     def _drop(self, work: _Work) -> None:
         work.sock.close()
         work.caller.close()
+
+
+def _urgency(data: object) -> int:
+    """The order a turn serves what is ready in: helpers, then requests, then accepts."""
+    if isinstance(data, tuple | _Gone):
+        return 0
+    return 2 if data == "listen" else 1
 
 
 def _answer(sock: socket.socket, message: bytes) -> None:

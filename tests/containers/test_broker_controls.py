@@ -97,7 +97,8 @@ HOSTILE = [
      "max_read must be a number"),
     ("unknown op", ["op=bind", "path=/mnt/ok"], "unknown op 'bind'"),
     ("malformed", ["nonsense"], "malformed field"),
-    ("unmount a runtime mount", ["op=unmount", "path=/tmp"], "is not a FUSE mount"),
+    ("unmount a runtime mount", ["op=unmount", "path=/tmp"],
+     "not a mount the broker made for this container"),
     ("unmount a /proc mask", ["op=unmount", "path=/proc/kcore"], "is under /proc"),
 ]
 

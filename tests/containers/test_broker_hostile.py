@@ -268,7 +268,7 @@ def test_a_sibling_without_the_device_in_the_same_pod_is_refused(scene: Scene) -
         assert "is not /dev/fuse" in answer["message"]
     answer = attack(sibling, "ask", "op=unmount", "path=/mnt/s", env=env)
     assert answer["status"] == "error"
-    assert "not given broker mode" in answer["message"]
+    assert "not a mount the broker made for this container" in answer["message"]
     assert sibling.mounts() == []
 
 
