@@ -34,10 +34,11 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from http import HTTPStatus
 
 from fuse_plugin import logs
+from fuse_plugin.errors import Failure
 
 # What a route answers: status, body, Content-Type.
 Answer = tuple[HTTPStatus, bytes, str]
@@ -57,6 +58,34 @@ RECV_SIZE = 16384
 # accept() failing for want of descriptors: dropping our oldest connection frees one.
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 ACCEPT_PAUSE = 1.0  # seconds without accepting when out of fds with nothing to close
+
+
+def where(address: str, port: int) -> str:
+    """``address:port`` as a URL writes it: an IPv6 address in brackets, without which
+    its last group reads as the port."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+@contextlib.contextmanager
+def serving(routes: Mapping[str, Route], address: str, port: int, *, name: str,
+            log: logging.Logger, max_connections: int = MAX_CONNECTIONS
+            ) -> Iterator[HttpPort]:
+    """Serve ``routes`` until the block ends, for the plugin's, the broker's and the DRA
+    driver's ports alike. A port that cannot be bound is a one-line ``Failure`` (exit 1)
+    naming the port (``name``: metrics, probes), since it is a setting to fix, not a
+    bug; the event ``<name>.serving`` gives the port bound (``port`` 0 picks one)."""
+    try:
+        http = HttpPort(routes, address, port, name=name, max_connections=max_connections,
+                        log=log)
+    except OSError as err:
+        raise Failure(f"cannot serve {name} on {where(address, port)}: "
+                      f"{err.strerror or err}") from None
+    http.start()
+    logs.event(log, f"{name}.serving", address=address, port=http.port)
+    try:
+        yield http
+    finally:
+        http.stop()
 
 
 class _TooLong(Exception):

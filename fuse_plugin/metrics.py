@@ -2,8 +2,9 @@
 
 Values are read when Prometheus scrapes: counters from a ``Stats`` snapshot, state from
 the lifecycle's ``Status`` and the device state, so the Allocate path pays for nothing
-here. ``/healthz`` is liveness: the loop turns, inotify reports; anything the loop cannot
-recover from by itself makes it fail so that the kubelet restarts us. ``/readyz`` says
+here; ``fuse_plugin.exposition`` writes them out, as it does the broker's. ``/healthz``
+is liveness: the loop turns, inotify reports; anything the loop cannot recover from by
+itself makes it fail so that the kubelet restarts us. ``/readyz`` says
 the kubelet can use us now: our socket is the one at the path, registered, device healthy.
 
 The port faces the node's network, and three failed liveness probes restart us, so it is
@@ -13,41 +14,35 @@ new connection over the cap closes the oldest, so no client can keep a probe out
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from http import HTTPStatus
 
 from fuse_plugin import http_port
 from fuse_plugin.devices import Health
+from fuse_plugin.exposition import CONTENT_TYPE, Exposition
 from fuse_plugin.http_port import TEXT, Answer
 from fuse_plugin.lifecycle import Lifecycle
 from fuse_plugin.stats import Stats
 
 PREFIX = "fuse_device_plugin"
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Open connections at most; a probe or a scrape holds one for a millisecond, and over the
 # cap the oldest is closed for the newcomer.
 MAX_CONNECTIONS = http_port.MAX_CONNECTIONS
 
 
 def exposition(lifecycle: Lifecycle, stats: Stats) -> bytes:
-    """The Prometheus text format (0.0.4), written out: a dozen series do not need
-    prometheus-client, whose import alone loads OpenSSL (~8 MiB on every node)."""
+    """The scrape: counters from one ``Stats`` snapshot, state as the loop left it."""
     counts = stats.snapshot()
-    out: list[str] = []
-
-    def family(name: str, kind: str, text: str, *samples: tuple[str, str, float]) -> None:
-        out.append(f"# HELP {PREFIX}_{name} {text}")
-        out.append(f"# TYPE {PREFIX}_{name} {kind}")
-        out.extend(f"{PREFIX}_{name}{suffix}{labels} {float(value)!r}"
-                   for suffix, labels, value in samples)
-
+    out = Exposition(PREFIX)
     status, state = lifecycle.status, lifecycle.state
-    family("registered", "gauge", "1 when the kubelet has accepted our registration",
-           ("", "", int(status.registered)))
-    family("slots", "gauge", "Advertised slots by health",
-           *(("", f'{{health="{health.value}"}}',
-              len(state.ids) if state.health is health else 0) for health in Health))
-    family("listandwatch_streams", "gauge", "Open ListAndWatch streams",
-           ("", "", lifecycle.servicer.open_streams))
+    out.family("registered", "gauge", "1 when the kubelet has accepted our registration",
+               ({}, int(status.registered)))
+    out.family("slots", "gauge", "Advertised slots by health",
+               *(({"health": health.value},
+                  len(state.ids) if state.health is health else 0) for health in Health))
+    out.family("listandwatch_streams", "gauge", "Open ListAndWatch streams",
+               ({}, lifecycle.servicer.open_streams))
     for name, text, value in (
             ("allocations", "Containers given the device by Allocate", counts.allocations),
             ("allocate_refusals", "Allocate calls refused with INVALID_ARGUMENT",
@@ -57,8 +52,8 @@ def exposition(lifecycle: Lifecycle, stats: Stats) -> bytes:
             ("registrations", "Register calls the kubelet accepted", counts.registrations),
             ("registration_failures", "Register calls that failed",
              counts.registration_failures)):
-        family(f"{name}_total", "counter", text, ("", "", value))
-    return ("\n".join(out) + "\n").encode()
+        out.family(f"{name}_total", "counter", text, ({}, value))
+    return out.encode()
 
 
 def _readiness(lifecycle: Lifecycle) -> tuple[bool, str]:
@@ -73,23 +68,12 @@ def _readiness(lifecycle: Lifecycle) -> tuple[bool, str]:
     return True, "ready"
 
 
-class MetricsServer:
-    """The HTTP endpoint: /metrics, /healthz, /readyz. Off unless --metrics-port is set."""
-
-    def __init__(self, lifecycle: Lifecycle, stats: Stats, address: str, port: int) -> None:
-        self._http = http_port.HttpPort(_routes(lifecycle, stats), address, port,
-                                        name="metrics", max_connections=MAX_CONNECTIONS)
-
-    @property
-    def port(self) -> int:
-        return self._http.port
-
-    def start(self) -> MetricsServer:
-        self._http.start()
-        return self
-
-    def stop(self) -> None:
-        self._http.stop()
+def serving(lifecycle: Lifecycle, stats: Stats, address: str, port: int,
+            log: logging.Logger) -> contextlib.AbstractContextManager[http_port.HttpPort]:
+    """The HTTP endpoint, /metrics, /healthz and /readyz, served until the block ends;
+    off unless --metrics-port is set."""
+    return http_port.serving(_routes(lifecycle, stats), address, port, name="metrics",
+                             log=log, max_connections=MAX_CONNECTIONS)
 
 
 def _routes(lifecycle: Lifecycle, stats: Stats) -> dict[str, http_port.Route]:

@@ -67,21 +67,10 @@ def assembled(settings: Settings, log: logging.Logger, prober: Prober = probe
         lifecycle = Lifecycle(settings, state, servicer, log, stats)
         port = None
         if settings.metrics_port:
-            from fuse_plugin.metrics import MetricsServer
+            from fuse_plugin import metrics
 
-            try:
-                metrics = MetricsServer(lifecycle, stats, settings.metrics_address,
-                                        settings.metrics_port)
-            except OSError as err:
-                where = f"{settings.metrics_address}:{settings.metrics_port}"
-                if ":" in settings.metrics_address:
-                    where = f"[{settings.metrics_address}]:{settings.metrics_port}"
-                raise Failure(f"cannot serve metrics on {where}: {err.strerror or err}"
-                              ) from None
-            stack.callback(metrics.stop)
-            metrics.start()
-            port = metrics.port
-            logs.event(log, "metrics.serving", address=settings.metrics_address, port=port)
+            port = stack.enter_context(metrics.serving(
+                lifecycle, stats, settings.metrics_address, settings.metrics_port, log)).port
         yield Plugin(lifecycle, stats, port)
 
 

@@ -167,16 +167,9 @@ def assembled(settings: DraSettings, log: logging.Logger, claims: ClaimSource,
         sockets.start()
         stack.callback(sockets.stop)
         if settings.probe_port:
-            try:
-                port = http_port.HttpPort(_routes(driver), settings.probe_address,
-                                          settings.probe_port, name="probes", log=log)
-            except OSError as err:
-                raise Failure(f"cannot serve probes on port {settings.probe_port}: "
-                              f"{err.strerror or err}") from None
-            stack.callback(port.stop)
-            port.start()
-            driver.probe_port = port.port
-            logs.event(log, "probes.serving", address=settings.probe_address, port=port.port)
+            driver.probe_port = stack.enter_context(http_port.serving(
+                _routes(driver), settings.probe_address, settings.probe_port, name="probes",
+                log=log)).port
         yield driver
 
 

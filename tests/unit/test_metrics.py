@@ -15,9 +15,10 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fuse_plugin import http_port, metrics
+from fuse_plugin.errors import Failure
 from fuse_plugin.http_port import TEXT, Answer, HttpPort
 from fuse_plugin.lifecycle import Lifecycle
-from fuse_plugin.metrics import MetricsServer
 from fuse_plugin.stats import Stats
 from tests.lib.kubelet import KubeletStandIn
 from tests.lib.node import FakeNode
@@ -114,6 +115,28 @@ def test_metrics_port_in_use_is_a_clear_error(start_plugin: StartPlugin) -> None
     assert "Traceback" not in process.log
 
 
+@pytest.mark.parametrize("address", ["127.0.0.1", "::1"])
+def test_a_port_in_use_names_the_address_as_a_url_would(address: str) -> None:
+    """The plugin's, the broker's and the DRA driver's ports say it alike; an IPv6
+    address in brackets, or ``::1:8080`` reads as an address without a port (the
+    broker's and the driver's messages did not bracket it)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family) as taken:
+        try:
+            taken.bind((address, 0))
+        except OSError:
+            pytest.skip(f"no {address} here")
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(Failure) as failure, \
+                http_port.serving({}, address, port, name="metrics",
+                                  log=logging.getLogger("test")):
+            pass
+    shown = f"[{address}]" if ":" in address else address
+    assert str(failure.value) == f"cannot serve metrics on {shown}:{port}: " \
+        "Address already in use"
+
+
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP])
 def test_cdi_spec_written_allocate_names_it_and_removed_on_stop(
         node: FakeNode, kubelet: KubeletStandIn, start_plugin: StartPlugin,
@@ -174,8 +197,8 @@ def test_an_idle_metrics_port_never_wakes_and_stops_at_once() -> None:
     """http.server's serve_forever polls twice a second; on every node, all day, that
     was a third of the plugin's own idle CPU. Our loop waits on the socket and a pipe."""
     lifecycle = cast(Lifecycle, None)  # the idle server never calls it; /nope neither
-    server = MetricsServer(lifecycle, Stats(), "127.0.0.1", 0).start()
-    try:
+    with metrics.serving(lifecycle, Stats(), "127.0.0.1", 0, logging.getLogger("test")
+                         ) as server:
         assert get(server.port, "/nope")[0] == 404  # serving
         thread = next(t for t in threading.enumerate() if t.name == "metrics")
         assert thread.native_id is not None
@@ -186,8 +209,7 @@ def test_an_idle_metrics_port_never_wakes_and_stops_at_once() -> None:
         before = _wakeups(thread_id)
         threading.Event().wait(1.2)  # an observation window, not a synchronisation
         assert _wakeups(thread_id) == before
-    finally:
-        server.stop()  # joins the thread: returning at all is the check
+    # Leaving the block joined the thread: returning at all is the check.
     assert not thread.is_alive()
 
 
