@@ -1,11 +1,17 @@
-"""What the broker counts, for its metrics; bumped by the loop, read by the probe thread."""
+"""What the broker counts, for its metrics; bumped by the loop, read by the probe thread.
+
+The names of its counts over ``fuse_plugin.stats.Counters``, the one implementation the
+plugin's ``Stats`` uses too.
+"""
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 from fuse_plugin.broker import policy
+from fuse_plugin.stats import Counters
+
+OPERATIONS = ("mount", "unmount")
 
 
 @dataclass(frozen=True)
@@ -20,36 +26,30 @@ class BrokerSnapshot:
 
 class BrokerStats:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._served = {"mount": 0, "unmount": 0}
-        self._refused = dict.fromkeys(policy.kinds(), 0)
-        self._failed = self._stalled = self._aborted = self._pauses = 0
+        # Every operation and refusal kind is listed from the first scrape on, at 0.
+        self._counts = Counters([("served", op) for op in OPERATIONS]
+                                + [("refused", kind) for kind in policy.kinds()])
 
     def served(self, op: str) -> None:
-        with self._lock:
-            self._served[op] = self._served.get(op, 0) + 1
+        self._counts.add("served", label=op)
 
     def refused(self, kind: str, count: int = 1) -> None:
-        with self._lock:
-            self._refused[kind] = self._refused.get(kind, 0) + count
+        self._counts.add("refused", count, label=kind)
 
     def failed(self) -> None:
-        with self._lock:
-            self._failed += 1
+        self._counts.add("failed")
 
     def stalled(self) -> None:
-        with self._lock:
-            self._stalled += 1
+        self._counts.add("stalled")
 
     def aborted(self, connections: int) -> None:
-        with self._lock:
-            self._aborted += connections
+        self._counts.add("aborted", connections)
 
     def accept_paused(self) -> None:
-        with self._lock:
-            self._pauses += 1
+        self._counts.add("accept_pauses")
 
     def snapshot(self) -> BrokerSnapshot:
-        with self._lock:
-            return BrokerSnapshot(dict(self._served), dict(self._refused), self._failed,
-                                  self._stalled, self._aborted, self._pauses)
+        counts = self._counts.snapshot()
+        return BrokerSnapshot(counts.by_label("served"), counts.by_label("refused"),
+                              counts["failed"], counts["stalled"], counts["aborted"],
+                              counts["accept_pauses"])
