@@ -2,7 +2,8 @@
 of its directory looks like from inside a container.
 
 A caller's table is read by the helper in the caller's namespace (native/helper.c),
-never here: this module only ever reads the broker's own.
+never here: the broker only ever reads its own. The demo parses its containers' tables
+with ``parse`` too (from the host, to find the FUSE connections to abort).
 """
 
 from __future__ import annotations

@@ -24,6 +24,18 @@ from fuse_plugin.broker.policy import Owner, pod_of
 FUSECTL = Path("/sys/fs/fuse/connections")
 
 
+def abort(connection: int, fusectl: Path = FUSECTL) -> bool:
+    """Abort one FUSE connection: every request on it fails at once, so whatever waits
+    on its daemon (a helper, a container's process) is freed. False if it has gone
+    already. The broker frees a stuck helper with it, the demo a container past its
+    deadline."""
+    try:
+        (fusectl / str(connection) / "abort").write_text("1")
+    except OSError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class Record:
     connection: int

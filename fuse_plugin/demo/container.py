@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from fuse_plugin import profiles
 from fuse_plugin.api import api_pb2 as api
+from fuse_plugin.broker import mountinfo, records
 from fuse_plugin.broker.policy import is_fuse
 from fuse_plugin.config import DEFAULT_FUSE_DEVICE
 from fuse_plugin.devices import Health, probe
@@ -33,7 +34,8 @@ Spec = dict[str, Any]
 R = TypeVar("R", bound="Runc")
 
 RUNC = "runc"
-FUSECTL = Path("/sys/fs/fuse/connections")
+FUSECTL = records.FUSECTL
+PROC = Path("/proc")
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 RUN_TIMEOUT = 60.0
 
@@ -356,40 +358,26 @@ def write_bundle(bundle: Path, spec: Spec) -> Path:
 # -- FUSE connections --------------------------------------------------------------------
 
 
-def fuse_mounts_of(pid: int) -> list[tuple[str, str, str]]:
+def fuse_mounts_of(pid: int, proc: Path = PROC) -> list[tuple[str, str, str]]:
     """(mount point, fstype, superblock device ``major:minor``) of every FUSE mount in
     ``pid``'s mount namespace, from its mountinfo; empty once the process is gone."""
-    found: list[tuple[str, str, str]] = []
     try:
-        text = Path(f"/proc/{pid}/mountinfo").read_text()
+        text = (proc / str(pid) / "mountinfo").read_text()
     except OSError:
-        return found
-    for line in text.splitlines():
-        left, _, right = line.partition(" - ")
-        fstype = right.split(" ", 1)[0]
-        if is_fuse(fstype):
-            fields = left.split()
-            found.append((fields[4], fstype, fields[2]))
-    return found
+        return []
+    return [(entry.mountpoint, entry.fstype, entry.dev)
+            for entry in mountinfo.parse(text) if is_fuse(entry.fstype)]
 
 
-def fuse_connections_of(pid: int) -> set[int]:
+def fuse_connections_of(pid: int, proc: Path = PROC) -> set[int]:
     """fusectl connection numbers of the FUSE mounts in ``pid``'s mount namespace: the
     minor of the superblock's device (``0:N``)."""
     found: set[int] = set()
-    for _point, _fstype, device in fuse_mounts_of(pid):
+    for _point, _fstype, device in fuse_mounts_of(pid, proc):
         major, _, minor = device.partition(":")
         if major == "0":
             found.add(int(minor))
     return found
-
-
-def abort_fuse_connection(number: int) -> bool:
-    try:
-        (FUSECTL / str(number) / "abort").write_text("1")
-    except OSError:
-        return False
-    return True
 
 
 # -- running -----------------------------------------------------------------------------
@@ -538,7 +526,7 @@ class RuncContainer:
         """Abort the container's FUSE connections: frees any process stuck on them."""
         aborted = set()
         for number in self.fuse_connections():
-            if abort_fuse_connection(number):
+            if records.abort(number):
                 aborted.add(number)
         return aborted
 

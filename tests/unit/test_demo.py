@@ -139,3 +139,27 @@ def test_demo_mount_runs_a_real_unprivileged_fuse_container() -> None:
     assert "unshare failed: Operation not permitted" in out  # and it is the FUSE profile
     assert "unmounted /mnt/fuse" in out
     assert "skipped" not in out
+
+
+def test_fuse_mounts_are_read_from_mountinfo_unescaped(tmp_path: Path) -> None:
+    """The kernel writes a space in a mount point as \\040; the demo's own parser once
+    kept the escape, so a mount point with a space never matched its path."""
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "mountinfo").write_text(
+        "22 1 0:21 / /proc rw - proc proc rw\n"
+        "90 22 0:53 / /mnt/my\\040data rw,nosuid - fuse.squashfuse squashfuse rw\n"
+        "91 22 8:1 /x /mnt/tab\\011here rw - ext4 /dev/sda1 rw\n")
+    assert container.fuse_mounts_of(42, tmp_path) == [
+        ("/mnt/my data", "fuse.squashfuse", "0:53")]
+    assert container.fuse_connections_of(42, tmp_path) == {53}
+    assert container.fuse_mounts_of(43, tmp_path) == []  # the process has gone
+
+
+def test_aborting_a_connection_writes_its_abort_switch(tmp_path: Path) -> None:
+    from fuse_plugin.broker import records
+
+    (tmp_path / "53").mkdir()
+    (tmp_path / "53" / "abort").write_text("")
+    assert records.abort(53, tmp_path)
+    assert (tmp_path / "53" / "abort").read_text() == "1"
+    assert not records.abort(54, tmp_path)  # gone already
