@@ -12,7 +12,6 @@ device is.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 import os
@@ -26,7 +25,6 @@ from pathlib import Path
 import grpc
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
-from watchdog.observers.api import ObservedWatch
 
 from fuse_plugin import files, logs, sockets
 from fuse_plugin.api import api_pb2 as api
@@ -35,6 +33,7 @@ from fuse_plugin.config import API_VERSION, Settings
 from fuse_plugin.devices import DeviceState
 from fuse_plugin.servicer import WORKERS, FuseServicer, add_to_server
 from fuse_plugin.stats import Stats
+from fuse_plugin.watches import DirectoryWatches
 
 # How often the safety net re-checks sockets, the directory and the device.
 SAFETY_INTERVAL = 5.0
@@ -135,8 +134,7 @@ class Lifecycle:
                                                     thread_name_prefix="grpc")
         # Its threads wake every `timeout` s to check for stop; the safety net is as slow.
         self._observer = Observer(timeout=SAFETY_INTERVAL)
-        self._handler = _Events(self)
-        self._watches: dict[Path, tuple[ObservedWatch, files.Identity | None]] = {}
+        self._watches = DirectoryWatches(self._observer, _Events(self), log)
         self._running = False
 
     # -- called from other threads -------------------------------------------------
@@ -268,31 +266,10 @@ class Lifecycle:
         return targets
 
     def _rewatch(self) -> None:
-        """(Re)arm inotify on each directory we watch whose inode changed.
-
-        A directory that is deleted takes its inotify watch with it; watching its parent
-        as well tells us when it comes back, so the watch is re-armed at once.
-        """
-        for path in self._watch_targets():
-            identity = files.identity(path, directory=True)
-            watched = self._watches.get(path)
-            if watched is not None and watched[1] == identity and identity is not None:
-                continue
-            if watched is not None:
-                with contextlib.suppress(KeyError, ValueError):  # its emitter already went
-                    self._observer.unschedule(watched[0])
-                del self._watches[path]
-            if identity is None:
-                continue
-            try:
-                watch = self._observer.schedule(self._handler, str(path))
-            except OSError as err:
-                logs.event(self._log, "watch.failed", logging.WARNING, path=str(path),
-                           error=err.strerror or str(err))
-                continue
-            self._watches[path] = (watch, identity)
-            if watched is not None:
-                logs.event(self._log, "watch.rearmed", path=str(path))
+        """(Re)arm inotify on each directory we watch whose inode changed. Watching each
+        one's parent as well tells us when it comes back, so its watch is re-armed at
+        once."""
+        self._watches.rearm(self._watch_targets())
 
     def owns_socket(self) -> bool:
         """True when the socket file at our path is the one our running server bound.

@@ -31,11 +31,11 @@ from pathlib import Path
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
-from watchdog.observers.api import BaseObserver
 
 from fuse_plugin import files, logs
 from fuse_plugin.profiles import admit, apparmor, lint, validate
 from fuse_plugin.profiles.presets import DEFAULT_SECCOMP_DIR
+from fuse_plugin.watches import DirectoryWatches
 
 DEFAULT_APPARMOR_DIR = Path("/etc/apparmor.d")
 DEFAULT_PARSER = "apparmor_parser"
@@ -325,7 +325,8 @@ class Installer:
         if once:
             return 0 if self.sync().ok else 1
         observer = Observer()
-        watched = self._watch(observer)
+        watches = DirectoryWatches(observer, _Wake(self._changed), self.log)
+        watches.rearm([self.paths.source])
         observer.start()
         try:
             # The watch is up before the first pass, so no change can fall in between.
@@ -340,8 +341,7 @@ class Installer:
                     self._settle()
                 elif source_fingerprint(self.paths.source) == seen:
                     continue
-                if files.identity(self.paths.source, directory=True) != watched:
-                    watched = self._watch(observer)
+                watches.rearm([self.paths.source])
                 logs.event(self.log, "source_changed", source=str(self.paths.source),
                            seen_by="watch" if woken else "recheck")
                 seen = source_fingerprint(self.paths.source)
@@ -350,20 +350,6 @@ class Installer:
             observer.stop()
             observer.join(timeout=5)
         return 0
-
-    def _watch(self, observer: BaseObserver) -> tuple[int, int] | None:
-        """Put the one watch on the source directory as it is now; its identity, or None
-        while it is missing (the re-check tries again)."""
-        observer.unschedule_all()
-        identity = files.identity(self.paths.source, directory=True)
-        if identity is None:
-            return None
-        try:
-            observer.schedule(_Wake(self._changed), str(self.paths.source), recursive=False)
-        except OSError:
-            return None
-        logs.event(self.log, "watch_armed", logging.DEBUG, source=str(self.paths.source))
-        return identity
 
     def _settle(self) -> None:
         deadline = time.monotonic() + SETTLE_MAX
