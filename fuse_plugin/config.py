@@ -9,13 +9,12 @@ a plugin that half-starts and never registers.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from fuse_plugin import args
+from fuse_plugin import args, sockets
 from fuse_plugin.errors import EXIT_USAGE, Failure
 
 DEFAULT_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
@@ -35,8 +34,6 @@ _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 # Used with fullmatch: `$` would also match before a trailing newline.
 _DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
 _NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
-# A unix socket's path must fit sockaddr_un.sun_path (108 bytes with its NUL).
-SOCKET_PATH_MAX = 107
 
 
 @dataclass(frozen=True)
@@ -150,9 +147,8 @@ def from_args(parsed: argparse.Namespace) -> Settings:
     """Settings from parsed serve flags (each field is named after its flag), with the
     checks that need two of them; raises ``Failure`` (exit 2)."""
     settings = Settings(**{f.name: getattr(parsed, f.name) for f in fields(Settings)})
-    size = len(os.fsencode(settings.socket_path))
-    if size > SOCKET_PATH_MAX:
-        raise Failure(f"the plugin's socket {settings.socket_path} would be {size} bytes, "
-                      f"more than a unix socket path holds ({SOCKET_PATH_MAX}): use a "
-                      "shorter --device-plugin-dir or --resource-name", EXIT_USAGE)
+    too_long = sockets.too_long(settings.socket_path)
+    if too_long:
+        raise Failure(f"the plugin's socket {too_long}: use a shorter --device-plugin-dir "
+                      "or --resource-name", EXIT_USAGE)
     return settings

@@ -11,14 +11,26 @@ from contextlib import contextmanager
 from pathlib import Path
 
 CONNECT_TIMEOUT = 1.0
-# sockaddr_un.sun_path holds 108 bytes including the NUL; deeper paths need a detour.
+# sockaddr_un.sun_path holds 108 bytes including the NUL: the one limit on a unix
+# socket's path, for the sockets we bind and those we dial.
 SUN_PATH_MAX = 107
+
+
+def too_long(path: Path) -> str | None:
+    """Why ``path`` does not fit sockaddr_un, or None when it does. A socket we bind
+    must fit (the settings refuse a longer one before anything starts); one we dial can
+    be reached by a detour (``dialable``)."""
+    size = len(os.fsencode(path))
+    if size <= SUN_PATH_MAX:
+        return None
+    return f"{path} would be {size} bytes, more than a unix socket path holds " \
+        f"({SUN_PATH_MAX})"
 
 
 @contextmanager
 def dialable(path: Path) -> Iterator[str]:
     """A name for ``path`` short enough for connect(2): itself, or one via /proc/self/fd."""
-    if len(os.fsencode(path)) <= SUN_PATH_MAX:
+    if too_long(path) is None:
         yield str(path)
         return
     fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)

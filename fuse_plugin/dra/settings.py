@@ -12,13 +12,12 @@ itself is a resource name, not a valid driver name (it holds a slash).
 from __future__ import annotations
 
 import argparse
-import os
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from fuse_plugin import args
-from fuse_plugin.config import DEFAULT_CDI_DIR, DEFAULT_FUSE_DEVICE, SOCKET_PATH_MAX
+from fuse_plugin import args, sockets
+from fuse_plugin.config import DEFAULT_CDI_DIR, DEFAULT_FUSE_DEVICE
 from fuse_plugin.errors import EXIT_USAGE, Failure
 
 DRIVER_NAME = "fuse-device-plugin.github.com"
@@ -129,9 +128,7 @@ def from_args(parsed: argparse.Namespace) -> DraSettings:
                       "DaemonSet sets it from spec.nodeName)", EXIT_USAGE)
     for flag, path in (("--plugins-dir", settings.service_socket),
                        ("--registry-dir", settings.registration_socket)):
-        size = len(os.fsencode(path))
-        if size > SOCKET_PATH_MAX:
-            raise Failure(f"the socket {path} would be {size} bytes, more than a unix "
-                          f"socket path holds ({SOCKET_PATH_MAX}): use a shorter {flag}",
-                          EXIT_USAGE)
+        too_long = sockets.too_long(path)
+        if too_long:
+            raise Failure(f"the socket {too_long}: use a shorter {flag}", EXIT_USAGE)
     return settings
