@@ -365,23 +365,6 @@ def may_unmount(found: Existing, owner: Owner | None, *, container: str, uid: in
                       "unmount")
 
 
-def parent_and_name(text: str) -> tuple[str, str]:
-    parent, _, name = text.rpartition("/")
-    return parent or "/", name
-
-
-def mark_of(fields: dict[str, str]) -> Mark:
-    return Mark(fields.get("mark_dev", ""), fields.get("mark_root", ""))
-
-
-def connection_of(dev: str) -> int:
-    """The FUSE connection number of a superblock device "0:N" (its name in fusectl)."""
-    major, _, minor = dev.partition(":")
-    if not (DIGITS.fullmatch(major) and DIGITS.fullmatch(minor)):
-        raise ValueError(f"bad device {dev!r}")
-    return int(minor)
-
-
 def kinds() -> Iterable[str]:
     """Every refusal kind, for the metrics' label values."""
     return ("request", "option", "path", "caller", "allocation", "quota", "permission",

@@ -118,8 +118,6 @@ class Publisher:
         self._owner: list[dict[str, Any]] | None = None
         self.published: dict[str, Any] | None = None  # the slice as last written or read
         self.last_error = ""
-        self.syncs = 0
-        self._cond = threading.Condition()
         self._syncing = threading.Lock()  # the loop and a caller never sync at once
 
     def devices(self) -> list[dict[str, Any]]:
@@ -148,15 +146,7 @@ class Publisher:
         else:
             self.last_error = ""
             ok = True
-        with self._cond:
-            self.syncs += 1
-            self._cond.notify_all()
         return ok
-
-    def wait_synced(self, after: int, timeout: float) -> bool:
-        """Until a sync after the ``after``-th has finished (for tests)."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self.syncs > after, timeout)
 
     def _owner_references(self) -> list[dict[str, Any]]:
         if self._owner is None:
