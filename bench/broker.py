@@ -136,6 +136,14 @@ def daemonset() -> dict[str, Any]:
     raise ValueError(f"{DAEMONSET} holds no DaemonSet")
 
 
+def cpu_request_millicores() -> int:
+    """The broker container's CPU request in its DaemonSet ("100m" or "0.5"), in
+    millicores: the weight the kubelet gives it when tenants keep the node busy."""
+    container = daemonset()["spec"]["template"]["spec"]["containers"][0]
+    text = str(container["resources"]["requests"]["cpu"])
+    return int(text[:-1]) if text.endswith("m") else int(float(text) * 1000)
+
+
 def deployed_flags() -> list[str]:
     """The broker's flags as its DaemonSet passes them, minus the directories (the rig
     gives temp ones) and with the metrics port moved to a free one."""

@@ -8,7 +8,7 @@ Run from the repository root, as root, with runc, /dev/fuse and squashfuse::
 
 The real broker runs with its DaemonSet's flags (``manifests/broker/
 broker-daemonset.yaml``; the metrics port moved to a free one). Containers get the real
-plugin's broker-mode Allocate answer. Six hostile tenants (``tests/lib/chaos_tenant.py``,
+plugin's broker-mode Allocate answer. Eight hostile tenants (``tests/lib/chaos_tenant.py``,
 each in a container of its own, root with the runtime's default capabilities and
 seccomp rules) attack at once:
 
@@ -18,7 +18,10 @@ seccomp rules) attack at once:
 - *silent*: connections that never say a word, 200 at a time;
 - *descriptors*: requests carrying a TCP socket whose close lingers (SCM_RIGHTS);
 - *pin*: mount, pin with O_PATH, lazily unmount, past the quota, again and again;
-- *flood*: requests as fast as 8 threads can send them.
+- *flood*: requests as fast as 8 threads can send them;
+- *foreign*: a file in its own FUSE stub that never answers FLUSH, named as fuse_fd
+  (a helper that took it to look would block closing it);
+- *bigflood*: refusals with 60 KiB paths and 3,000-byte options (log volume).
 
 Meanwhile two well-behaved containers, one root and one uid 1000 with a restricted
 context, mount squashfuse through the shim, read a file and unmount, in a loop
@@ -76,7 +79,7 @@ P99_TARGET_MS = 100.0
 RSS_FLAT_MIB = 1.0  # growth from the first round's end to the last one's
 SETTLE_TIMEOUT = 30.0  # for the fds to come back once the attackers have left
 GOOD = ("good-root", "good-nonroot")
-HOSTILE = ("stall", "chroot", "silent", "descriptors", "pin", "flood")
+HOSTILE = ("stall", "chroot", "silent", "descriptors", "pin", "flood", "foreign", "bigflood")
 # Tools whose connections never carry a complete request: answered at the request
 # deadline, or refused at accept.
 SILENT = ("silent", "descriptors")
@@ -91,11 +94,13 @@ class Sizes:
     descriptors: int = 16
     pin: int = 40
     flood_threads: int = 8
+    foreign_threads: int = 2
+    bigflood_threads: int = 2
 
 
 FULL = Sizes()
 QUICK = Sizes(seconds=6.0, rounds=1, stop_seconds=6.0, silent=50, descriptors=8, pin=36,
-              flood_threads=4)
+              flood_threads=4, foreign_threads=1, bigflood_threads=1)
 
 
 def blockers() -> list[str]:
@@ -105,7 +110,9 @@ def blockers() -> list[str]:
 
 def tool_args(name: str, seconds: float, sizes: Sizes) -> list[str]:
     extra = {"silent": [sizes.silent], "descriptors": [sizes.descriptors],
-             "pin": [sizes.pin], "flood": [sizes.flood_threads]}.get(name, [])
+             "pin": [sizes.pin], "flood": [sizes.flood_threads],
+             "foreign": [sizes.foreign_threads],
+             "bigflood": [sizes.bigflood_threads]}.get(name, [])
     return ["python3", TOOL, protocol.CONTAINER_SOCKET, protocol.VERSION, name,
             str(seconds), *map(str, extra)]
 
@@ -198,7 +205,7 @@ def schedstat(pid: int) -> tuple[float, float]:
 
 
 class Scene:
-    """A broker with its DaemonSet's flags, two well-behaved containers and six hostile
+    """A broker with its DaemonSet's flags, two well-behaved containers and eight hostile
     ones, all from the real plugin's broker-mode Allocate answer."""
 
     def __init__(self, stack: ExitStack, work: Path, cpu_request: int = 0) -> None:
@@ -538,10 +545,12 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON (default {RESULTS})")
-    parser.add_argument("--broker-cpu-request", type=int, default=0, metavar="MILLICORES",
+    parser.add_argument("--broker-cpu-request", type=int, default=bench.cpu_request_millicores(),
+                        metavar="MILLICORES",
                         help="run the broker with the CPU weight of a pod requesting this "
-                             "much (the DaemonSet requests 100); default: no cgroup of its "
-                             "own (each container has the weight of a 1-CPU request)")
+                             "much (default: its DaemonSet's request, "
+                             f"{bench.cpu_request_millicores()}m); 0: no cgroup of its own, "
+                             "the weight of the benchmark's process")
     args = parser.parse_args(argv)
     problems = blockers()
     if problems:

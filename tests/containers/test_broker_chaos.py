@@ -1,8 +1,9 @@
 """The broker under chaos (issue 20), a short run of bench/broker_chaos.py's scenario:
-the real broker with its DaemonSet's flags, six hostile containers attacking at once (a
+the real broker with its DaemonSet's flags, eight hostile containers attacking at once (a
 daemon that never answers and a rename race through it, a chroot race against the
 runtime's masks, silent connections, descriptors over SCM_RIGHTS, pinned and hidden
-mounts past the quota, a request flood) while a root and a restricted uid 1000 container
+mounts past the quota, a request flood, a file of a stub that never answers FLUSH named
+as fuse_fd, refusals with huge paths and options) while a root and a restricted uid 1000 container
 mount, read and unmount squashfuse through the shim; then SIGTERM in the middle of it.
 
 Only behaviour is asserted (the benchmark reports the times against its targets): every
@@ -43,6 +44,8 @@ def test_the_attacks_happened(chaos: Report) -> None:
         assert any("not its mount namespace's root (chroot)" in m
                    for m in tools["chroot"]["requests"]["messages"])
         assert tools["pin"]["mounted"] > 0
+        assert tools["foreign"]["stub"] == "ok"
+        assert any("is not /dev/fuse" in m for m in tools["foreign"]["requests"]["messages"])
         for name in HOSTILE:
             assert tools[name]["requests"]["requests"] > 0, name
 

@@ -17,6 +17,12 @@ out without an answer) and how long it waited, and prints one JSON object at the
     chaos_tenant.py SOCKET VERSION flood SECONDS THREADS
                                                       requests as fast as THREADS threads
                                                       can send them
+    chaos_tenant.py SOCKET VERSION foreign SECONDS THREADS
+                                                      a file in its own FUSE stub that never
+                                                      answers FLUSH, named as fuse_fd
+    chaos_tenant.py SOCKET VERSION bigflood SECONDS THREADS
+                                                      refusals with 60 KiB paths and
+                                                      3,000-byte options
 
 The toolkit of tests/lib/attacker.py does each of these once; here they go on for
 a while, all at once, and every answer is counted.
@@ -392,12 +398,61 @@ def flood(seconds: float, threads: int) -> dict[str, Any]:
     kinds = (["op=unmount", "path=/mnt/none"],
              ["op=mount", "path=/proc/sys", "fuse_fd=0"],
              ["op=bogus", "path=/"])
+    hammer(seconds, threads, lambda i: ask(tally, kinds[i % len(kinds)]))
+    return {"requests": tally.summary()}
+
+
+def foreign(seconds: float, threads: int) -> dict[str, Any]:
+    """Its own FUSE stub (mounted through the broker) never answers FLUSH or RELEASE; a
+    file opened in it is named as fuse_fd by THREADS threads, each request at a new
+    directory. A helper that took the file to look at it would block closing it (the
+    first round left 1,600 such helpers and 3,215 broker descriptors): the helper must
+    judge it from /proc without taking it."""
+    import attacker  # type: ignore[import-not-found]  # the toolkit's stub, beside this file
+
+    tally, held = Tally(), Tally()
+    base = f"/mnt/foreign-{os.getpid()}"
+    os.makedirs(f"{base}/stub")
+    stub, dev = mount_with_fuse(held, f"{base}/stub")
+    threading.Thread(target=attacker.serve_fuse,
+                     args=(dev, os.devnull, frozenset({attacker.FUSE_FLUSH,
+                                                       attacker.FUSE_RELEASE}), False),
+                     daemon=True).start()
+    file = os.open(f"{base}/stub/f", os.O_RDWR)
+    counter = iter(range(1 << 30))
+
+    def name_it(_: int) -> None:
+        point = f"{base}/{next(counter)}"
+        os.makedirs(point)
+        ask(tally, ["op=mount", f"path={point}", f"fuse_fd={file}"])
+
+    hammer(seconds, threads, name_it)
+    ask(held, ["op=unmount", f"path={base}/stub", "flags=lazy"])
+    os.close(dev)  # the connection goes with its last device fd: the FLUSH then fails
+    with contextlib.suppress(ConnectionAbortedError):  # as it does: ECONNABORTED
+        os.close(file)
+    return {"stub": stub.status, "requests": _merge(tally, held)}
+
+
+def bigflood(seconds: float, threads: int) -> dict[str, Any]:
+    """Refusals whose log lines would be large: 60 KiB paths and 3,000-byte options, as
+    fast as THREADS threads can send them (the first round: 80-160 MB/s of log)."""
+    tally = Tally()
+    kinds = (["op=mount", "path=/proc/" + "x" * 61440, "fuse_fd=0"],
+             ["op=mount", "path=/mnt/big", "fuse_fd=0", "options=" + "y" * 3000])
+    hammer(seconds, threads, lambda i: ask(tally, kinds[i % len(kinds)]))
+    return {"requests": tally.summary()}
+
+
+def hammer(seconds: float, threads: int, step: Callable[[int], object]) -> None:
+    """``step(i)`` again and again from THREADS threads (i counts each thread's turns),
+    for SECONDS."""
     deadline = time.monotonic() + seconds
 
     def work() -> None:
         i = 0
         while time.monotonic() < deadline:
-            ask(tally, kinds[i % len(kinds)])
+            step(i)
             i += 1
 
     workers = [threading.Thread(target=work) for _ in range(threads)]
@@ -405,7 +460,6 @@ def flood(seconds: float, threads: int) -> dict[str, Any]:
         w.start()
     for w in workers:
         w.join()
-    return {"requests": tally.summary()}
 
 
 def _merge(*tallies: Tally) -> dict[str, Any]:
@@ -423,7 +477,7 @@ def main(argv: list[str]) -> int:
     rest = [int(a) for a in argv[4:]]
     commands: dict[str, Callable[..., dict[str, Any]]] = {
         "stall": stall, "chroot": chroot, "silent": silent, "descriptors": descriptors,
-        "pin": pin, "flood": flood}
+        "pin": pin, "flood": flood, "foreign": foreign, "bigflood": bigflood}
     started = time.monotonic()
     result = commands[kind](seconds, *rest)
     result["seconds"] = round(time.monotonic() - started, 2)
