@@ -35,7 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "install-profiles": ("fuse_plugin.profiles.install_command",
                          "install the profiles on this node from DIR (a ConfigMap) and "
                          "reload them when it changes"),
-    "broker": ("fuse_plugin.broker.server",
+    "broker": ("fuse_plugin.broker.command",
                "run the node's FUSE mount broker (broker mode, docs/broker.md)"),
     "dra": ("fuse_plugin.dra.command",
             "run the DRA driver on this node: /dev/fuse through ResourceClaims "

@@ -24,14 +24,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fuse_plugin.broker import frames, policy, protocol
+from fuse_plugin.broker import frames, protocol
 from fuse_plugin.broker.caller import Caller
 
 NAME = "fuse-broker-helper"
-
-
-class HelperFailed(Exception):
-    """The helper, or the kernel through it, said no; one line for the caller."""
 
 
 @dataclass
@@ -124,16 +120,3 @@ class Job:
         self.ctl.close()
         os.close(self.pidfd)
         self.proc.poll()
-
-
-def outcome(message: dict[str, str]) -> None:
-    """Raise the refusal or failure a helper's message reports, if it reports one."""
-    status = message.get("status")
-    text = message.get("message", "")
-    if status == "refused":
-        kind = message.get("kind", "path")
-        raise policy.Refused(text, kind if kind in policy.kinds() else "path")
-    if status == "failed":
-        raise HelperFailed(text)
-    if status == "exited":
-        raise HelperFailed("the broker's helper exited without an answer")

@@ -18,7 +18,8 @@ from fuse_plugin.exposition import CONTENT_TYPE, Exposition
 from fuse_plugin.http_port import TEXT, Answer, HttpPort
 
 if TYPE_CHECKING:
-    from fuse_plugin.broker.server import Broker, BrokerSettings
+    from fuse_plugin.broker.server import Broker
+    from fuse_plugin.broker.settings import BrokerSettings
 
 STUCK_AFTER = 10.0
 PREFIX = "fuse_mount_broker"

@@ -1,29 +1,30 @@
-"""``fuse-device-plugin broker``: the node's FUSE mount broker.
+"""The broker's loop: one thread, one ``selectors`` loop, every tenant's requests.
 
-Follow a request from the socket to the mount here. One loop (``selectors``) serves a
+Follow a request from the socket to the mount here. The loop serves a
 ``SOCK_SEQPACKET`` socket in the broker directory, which Allocate binds into containers:
 
-1. accept: the kernel names the caller (``caller.identify``); per-container and
+1. accept: the kernel names the caller (``caller.identify``); per-container, per-pod and
    node-wide limits on open connections; a connection that sent nothing is dropped at
    its deadline. The socket refuses descriptors (``SO_PASSRIGHTS``), so a tenant cannot
    make the loop own the last reference of a file whose close blocks.
-2. the request arrives: ``protocol.parse_request``, the path and option rules
-   (``policy``), the caller's namespaces (``Caller.open``), the quota (``records``).
-3. the helper (``helper.Job``, ``native/helper.c``) takes the caller's /dev/fuse fd,
-   enters its namespaces, resolves the path from the namespace's root and reports what it
-   reached; the loop judges (``policy.may_mount`` / ``may_unmount``) and answers go or no;
-   the helper mounts or unmounts and reports the result; the loop records the mount
-   (``records``) and replies.
+2. the request arrives: ``Conversation.prepare`` (``conversation.py``) checks the
+   message, the path and option rules (``policy``), the quota (``records``) and opens
+   the caller's namespaces (``Caller.open``).
+3. the helper (``helper.Job``, ``native/helper.c``) judges the caller's /dev/fuse fd
+   from /proc and takes it, enters its namespaces, resolves the path from the
+   namespace's root and reports each step (``reports``); the conversation judges
+   (``policy.may_mount`` / ``may_unmount``) and records a new mount before it is
+   attached; the loop answers go or no, and replies when the helper is done.
 
 The loop does no path walk, no close of a tenant's file and no call that a tenant's
 FUSE daemon could stall: the helper does, with a deadline, one per container at a time.
 Every request is logged in one line: ``broker.mount``, ``broker.unmount``,
 ``broker.refused`` (a rule) or ``broker.failed`` (the kernel or a deadline said no).
+The command around the loop is ``command.py``, its settings ``settings.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import errno
@@ -35,26 +36,20 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from fuse_plugin import args as types
 from fuse_plugin import files, logs, sockets
-from fuse_plugin.broker import budget, frames, mountinfo, policy, protocol, records
+from fuse_plugin.broker import budget, frames, mountinfo, node, policy, protocol, records
 from fuse_plugin.broker import caller as callers
+from fuse_plugin.broker.conversation import Conversation, Limits
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
-from fuse_plugin.broker.helper import HelperFailed, Job, outcome
+from fuse_plugin.broker.helper import Job
+from fuse_plugin.broker.reports import Built, Done, HelperFailed, Marked, MountFacts, UnmountFacts
+from fuse_plugin.broker.settings import DEFAULT_SHIM, BrokerSettings
 from fuse_plugin.broker.stats import BrokerStats
 from fuse_plugin.errors import EXIT_USAGE, Failure
-from fuse_plugin.signals import stop_on_signals
 
-DEFAULT_DIR = Path("/var/lib/fuse-device-plugin/broker")
-DEFAULT_STATE = Path("/run/fuse-device-plugin/broker")
-DEFAULT_SHIM = Path("/usr/local/libexec/fuse-device-plugin/fusermount3")
-DEFAULT_MAX_MOUNTS = 32
-DEFAULT_MAX_MOUNTS_NODE = 1000
-DEFAULT_MAX_MOUNTS_POD = 64  # a pod's share of the node's mounts (policy.pod_of)
 # Connections open at once: per container (a tenant holding silent connections only
 # uses its own share) and for the node (the broker's fds).
 PER_CONTAINER = 4
@@ -78,99 +73,6 @@ TURN = 1.0  # the loop turns at least this often (the liveness probe watches it)
 SO_PASSRIGHTS = 83  # Linux 6.16+
 
 
-@dataclass(frozen=True)
-class BrokerSettings:
-    directory: Path = DEFAULT_DIR
-    state: Path = DEFAULT_STATE
-    shim: Path = DEFAULT_SHIM
-    max_mounts: int = DEFAULT_MAX_MOUNTS
-    max_mounts_node: int = DEFAULT_MAX_MOUNTS_NODE
-    max_mounts_pod: int = DEFAULT_MAX_MOUNTS_POD
-    allow_other: bool = False
-    metrics_port: int = 0
-    metrics_address: str = "0.0.0.0"
-    log_format: str = "text"
-    log_level: str = "info"
-
-
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dir", type=types.absolute_path, default=DEFAULT_DIR,
-                        help="host directory for the socket and the shim; the plugin's "
-                             f"--broker-dir (default: {DEFAULT_DIR})")
-    parser.add_argument("--state-dir", type=types.absolute_path, default=DEFAULT_STATE,
-                        help="host directory for the records of the mounts the broker "
-                             f"made, on a tmpfs (default: {DEFAULT_STATE})")
-    parser.add_argument("--shim", type=types.absolute_path, default=DEFAULT_SHIM,
-                        help=f"the built fusermount3 shim to install there; {HELPER_NAME} "
-                             f"must be beside it (default: {DEFAULT_SHIM})")
-    parser.add_argument("--max-mounts", type=types.count(1, 10_000), default=DEFAULT_MAX_MOUNTS,
-                        help="FUSE mounts the broker makes for one container that the "
-                             f"kernel may hold at once (default: {DEFAULT_MAX_MOUNTS})")
-    parser.add_argument("--max-mounts-node", type=types.count(1, 100_000),
-                        default=DEFAULT_MAX_MOUNTS_NODE,
-                        help="the same for the whole node (default: "
-                             f"{DEFAULT_MAX_MOUNTS_NODE})")
-    parser.add_argument("--max-mounts-pod", type=types.count(1, 100_000),
-                        default=DEFAULT_MAX_MOUNTS_POD,
-                        help="the same for all the containers of one pod together, so that "
-                             "no pod takes the node's share alone (default: "
-                             f"{DEFAULT_MAX_MOUNTS_POD})")
-    parser.add_argument("--allow-other", type=types.boolean, default=False,
-                        help="let callers that are not root mount with allow_other, as "
-                             "user_allow_other in /etc/fuse.conf does (default: false)")
-    parser.add_argument("--metrics-port", type=types.port, default=0,
-                        help="serve /metrics, /healthz and /readyz on this TCP port; 0: "
-                             "off (default: 0)")
-    parser.add_argument("--metrics-address", type=types.address, default="0.0.0.0",
-                        help="address for --metrics-port (default: 0.0.0.0)")
-    types.add_log_flags(parser)
-
-
-def run(args: argparse.Namespace) -> int:
-    settings = BrokerSettings(
-        directory=args.dir, state=args.state_dir, shim=args.shim,
-        max_mounts=args.max_mounts, max_mounts_node=args.max_mounts_node,
-        max_mounts_pod=args.max_mounts_pod,
-        allow_other=args.allow_other, metrics_port=args.metrics_port,
-        metrics_address=args.metrics_address, log_format=args.log_format,
-        log_level=args.log_level)
-    log = logs.setup(settings.log_format, settings.log_level)
-    broker = Broker(settings, log)
-    stop_on_signals(log, broker.stop)
-    with contextlib.ExitStack() as stack:
-        if settings.metrics_port:  # first: answering (not ready) from the start
-            from fuse_plugin.broker.probes import serve_probes
-
-            stack.enter_context(serve_probes(broker, settings, log))
-        broker.start()
-        return broker.run()
-
-
-@dataclass
-class _Work:
-    """One identified connection, from accept to its reply."""
-
-    sock: socket.socket
-    caller: callers.Caller
-    deadline: float
-    parsed: protocol.Request | None = None
-    options: policy.MountOptions = field(default_factory=policy.MountOptions)
-    job: Job | None = None
-    started: float = field(default_factory=time.perf_counter)
-    fields: dict[str, object] = field(default_factory=dict)
-    answered: bool = False
-    watched: bool = False  # registered with the selector until its request arrives
-
-    @property
-    def container(self) -> str:
-        return self.caller.container
-
-    @property
-    def request(self) -> protocol.Request:
-        assert self.parsed is not None, "only parsed requests reach a helper"
-        return self.parsed
-
-
 @dataclass(eq=False)
 class _Gone:
     """A released helper, killed, until its pidfd says it has exited."""
@@ -187,6 +89,8 @@ class Broker:
         self.socket_path = settings.directory / protocol.SOCKET_NAME
         self.helper = settings.shim.parent / HELPER_NAME
         self.records = records.Records(settings.state)
+        self._limits = Limits(per_container=settings.max_mounts,
+                              per_pod=settings.max_mounts_pod, node=settings.max_mounts_node)
         self.turned = time.monotonic()
         # Published for the probe thread: replaced whole, never changed in place.
         self.mounts_held: dict[str, int] = {}
@@ -206,9 +110,9 @@ class Broker:
         self._pruned = 0.0
         self._busy = 0  # refused at accept since the last summary line
         self._busy_said = 0.0
-        self._waiting: dict[int, _Work] = {}  # by socket fd: no complete request yet
-        self._queued: dict[str, collections.deque[_Work]] = {}  # by container
-        self._running: dict[str, _Work] = {}  # by container: its helper is at work
+        self._waiting: dict[int, Conversation] = {}  # by socket fd: no complete request yet
+        self._queued: dict[str, collections.deque[Conversation]] = {}  # by container
+        self._running: dict[str, Conversation] = {}  # by container: its helper is at work
         self._stuck: list[_Gone] = []  # released (killed) helpers not exited yet
         self._budget = budget.LogBudget()  # lines per tenant and kind of refusal
 
@@ -225,7 +129,7 @@ class Broker:
                               "`scripts/build-native DIR` from the source tree (Debian: gcc "
                               "musl-tools), then --shim DIR/fusermount3", EXIT_USAGE)
         try:
-            _ensure_fusectl()
+            node.ensure_fusectl()
             held = self.records.load()
         except OSError as err:
             raise Failure(f"cannot read the FUSE connections or the records in "
@@ -235,7 +139,7 @@ class Broker:
             settings.directory.mkdir(parents=True, exist_ok=True)
             # Every container user must reach the socket through the directory's bind.
             settings.directory.chmod(0o755)
-            shim = install_shim(settings.directory, settings.shim.read_bytes())
+            shim = node.install_shim(settings.directory, settings.shim.read_bytes())
             self._mark = mountinfo.mark_of(settings.directory)
             self._listen()
         except OSError as err:
@@ -356,7 +260,7 @@ class Broker:
         elif data == "wake":
             with contextlib.suppress(BlockingIOError):
                 self._wake_r.recv(512)
-        elif isinstance(data, _Work):
+        elif isinstance(data, Conversation):
             self._receive(data)
         elif isinstance(data, _Gone):
             self._gone(data)
@@ -375,12 +279,12 @@ class Broker:
             if not policy.out_of_resources(err):
                 raise
             self._pause(err)
-            work = arg if isinstance(arg, _Work) else (
-                arg[1] if isinstance(arg, tuple) and isinstance(arg[1], _Work) else None)
+            work = arg if isinstance(arg, Conversation) else (
+                arg[1] if isinstance(arg, tuple) and isinstance(arg[1], Conversation) else None)
             if work is not None:
                 self._abandon(work, policy.OutOfResources("serving the request", err))
 
-    def _abandon(self, work: _Work, refused: policy.Refused) -> None:
+    def _abandon(self, work: Conversation, refused: policy.Refused) -> None:
         """Answer a request that a shortage interrupted, wherever it was."""
         if self._waiting.get(work.sock.fileno()) is work:
             self._unwait(work)
@@ -421,7 +325,7 @@ class Broker:
                 self._refuse_at_accept(sock, who, refused)
                 continue
             assert who is not None
-            work = _Work(sock, who, time.monotonic() + REQUEST_DEADLINE)
+            work = Conversation(sock, who, time.monotonic() + REQUEST_DEADLINE)
             work.fields.update(pid=who.pid, uid=who.uid, cgroup=who.container)
             self._waiting[sock.fileno()] = work
             # The shim sends as soon as it connects, so the request is usually there
@@ -462,7 +366,7 @@ class Broker:
                                   "try again", "busy")
         return None
 
-    def _all(self) -> list[_Work]:
+    def _all(self) -> list[Conversation]:
         return [*self._waiting.values(), *self._running.values(),
                 *(w for q in self._queued.values() for w in q)]
 
@@ -478,7 +382,7 @@ class Broker:
         logs.event(self.log, "broker.accept_paused", logging.WARNING,
                    reason=err.strerror or str(err), seconds=ACCEPT_PAUSE)
 
-    def _receive(self, work: _Work) -> None:
+    def _receive(self, work: Conversation) -> None:
         try:
             data = work.sock.recv(protocol.MAX_MESSAGE + 1)
         except BlockingIOError:
@@ -493,7 +397,7 @@ class Broker:
             self._drop(work)
             return
         try:
-            self._prepare(work, data)
+            work.prepare(data, self.records, self._limits)
         except policy.Refused as refused:
             if isinstance(refused, policy.OutOfResources):
                 self._pause(refused.error)
@@ -514,41 +418,12 @@ class Broker:
             sock.setblocking(False)
             self._refuse_at_accept(sock, None, stopping)
 
-    def _unwait(self, work: _Work) -> None:
+    def _unwait(self, work: Conversation) -> None:
         """The connection leaves the selector: its request arrived, or it never will."""
         if work.watched:
             self._selector.unregister(work.sock)
             work.watched = False
         del self._waiting[work.sock.fileno()]
-
-    def _prepare(self, work: _Work, data: bytes) -> None:
-        """Everything that needs no helper: the message, the rules on strings, the
-        caller's namespaces, the quota."""
-        who = work.caller
-        try:
-            request = protocol.parse_request(data)
-        except protocol.BadRequest as bad:
-            raise policy.Refused(str(bad), "request") from None
-        work.parsed = request
-        work.fields.update(op=request.op, path=request.path[:policy.MAX_PATH])
-        policy.path(request.path)
-        if request.op == "mount":
-            work.fields["options"] = request.options[:policy.MAX_OPTIONS]
-            work.options = policy.options(request.options)
-            policy.room_for_another(self.records.held(who.container),
-                                    self.settings.max_mounts, self.records.total,
-                                    self.settings.max_mounts_node)
-            pod = policy.pod_of(who.container)
-            policy.room_in_pod(self.records.held_by_pod(pod), self.settings.max_mounts_pod,
-                               pod)
-        elif not self.records.connections(who.container):
-            # Only a mount the broker made for this container may be unmounted: with none
-            # recorded, the answer needs no helper (an unmount flood cost one each, ten
-            # times a refusal by the rules).
-            raise policy.Refused("it is not a mount the broker made for this container (it "
-                                 "holds none); the broker removes only its own", "unmount")
-        who.open()
-        work.fields["namespace"] = who.namespace
 
     def _next(self, container: str) -> None:
         """Start the container's next request once none of its helpers is alive (a
@@ -609,7 +484,7 @@ class Broker:
                                   "node's; try again", "busy")
         return None
 
-    def _hear(self, work: _Work) -> None:
+    def _hear(self, work: Conversation) -> None:
         job = work.job
         if job is None or self._running.get(work.container) is not work:
             return  # an event for a helper that was released earlier in this turn
@@ -617,22 +492,19 @@ class Broker:
         if message is None:
             return
         try:
-            outcome(message)
-            if message.get("status") == "mark":
-                policy.allocated(policy.mark_of(message), self._mark)
+            report = work.hear(message)
+            if isinstance(report, Marked):
+                policy.allocated(report.mark, self._mark)
                 job.send(go=1)
-                return
-            if message.get("status") == "facts":
-                job.send(go=1, **self._verdict(work, message))
-                return
-            if message.get("status") == "built":
-                self._record(work, message)
+            elif isinstance(report, MountFacts | UnmountFacts):
+                job.send(go=1, **work.verdict(report, self.records,
+                                              self.settings.allow_other))
+            elif isinstance(report, Built):
+                self._record(work, report)
                 job.send(go=1)
-                return
-            if message.get("status") == "ok":
-                self._succeed(work, message)
-                return
-            raise HelperFailed(f"the helper said {message.get('status')!r}")
+            else:
+                self._succeed(work, report)
+            return
         except policy.Refused as refused:
             job.send(go=0)
             self._refuse(work, refused)
@@ -640,70 +512,27 @@ class Broker:
             self._fail(work, failed)
         self._release(work)
 
-    def _verdict(self, work: _Work, facts: dict[str, str]) -> dict[str, str]:
-        """Judge what the helper reached; the mount's parameters, or ``Refused``."""
-        who, request = work.caller, work.request
-        if request.op == "mount":
-            target = policy.Target(
-                mount_id=_int(facts, "mount"),
-                fstype=facts.get("fstype", ""), mount_point=facts.get("mount_point", ""),
-                shared=facts.get("shared") == "1",
-                mode=int(facts.get("mode", "0"), 8), owner=_int(facts, "owner"),
-                writable={"1": True, "0": False}.get(facts.get("writable", "")),
-                uid=_int(facts, "uid"), gid=_int(facts, "gid"))
-            policy.may_mount(target, work.options, who.node_root, self.settings.allow_other,
-                             user_namespaced=who.user_ns != -1)
-            return work.options.verdict()
-        found = policy.Existing(
-            mount_id=_int(facts, "mount"),
-            fstype=facts.get("fstype", ""), connection=_connection(facts))
-        policy.may_unmount(found, self.records.owner(found.connection),
-                           container=who.container, uid=who.uid, node_root=who.node_root,
-                           mount_id=request.mount_id)
-        work.fields["mount_id"] = found.mount_id
-        return {"lazy": "1" if "lazy" in request.flags else "0"}
-
-    def _record(self, work: _Work, built: dict[str, str]) -> None:
-        """Crash-only records: the new connection is recorded while its mount is still
-        detached, so a broker killed at any instant leaves no mount it made that it does
-        not count and cannot remove (issue 26). No record, no mount: ``HelperFailed``
-        releases the helper, and the detached mount goes with it."""
-        connection = _connection(built)
-        if self.records.owner(connection) is not None:
-            # The kernel mounts a /dev/fuse already in use as one more mount of its
-            # superblock: one connection, any number of mount points, one record.
-            raise policy.Refused(f"this /dev/fuse already serves a mount (FUSE connection "
-                                 f"{connection}): open /dev/fuse again for another mount",
-                                 "allocation")
-        inode = self.records.inode_of(connection)
-        if inode is None:
-            raise HelperFailed(f"the new FUSE connection {connection} is not in fusectl")
-        record = records.Record(
-            connection=connection, ctl_inode=inode, container=work.container,
-            uid=work.caller.uid, namespace=work.caller.namespace, mount_id=0,
-            path=work.request.path)
+    def _record(self, work: Conversation, built: Built) -> None:
+        """Crash-only records: the new mount is recorded while still detached
+        (``Conversation.record``); a record the broker cannot write is no mount."""
+        record = work.record(built, self.records)
         try:
             self.records.add(record)
         except OSError as err:
-            self.records.forget(connection)
+            self.records.forget(record.connection)
             if policy.out_of_resources(err):
                 self._pause(err)
             raise HelperFailed(f"cannot record the mount: {err.strerror or err}") from None
-        work.fields["connection"] = connection
         self.mounts_held = self.records.by_container()
 
-    def _succeed(self, work: _Work, result: dict[str, str]) -> None:
-        mount_id = _int(result, "mnt_id")
-        work.fields["mount_id"] = mount_id
-        if work.request.op == "mount":
-            work.fields.update(connection=_connection(result),
-                               mount_options=result.get("options"))
+    def _succeed(self, work: Conversation, done: Done) -> None:
+        work.done(done)
         self.stats.served(work.request.op)
         self._log(work, f"broker.{work.request.op}", logging.INFO)
-        self._reply(work, status="ok", mount_id=mount_id)
+        self._reply(work, status="ok", mount_id=done.mount_id)
         self._release(work)
 
-    def _exited(self, work: _Work) -> None:
+    def _exited(self, work: Conversation) -> None:
         """The helper's pidfd: it has exited. A request it had not finished fails."""
         job = work.job
         if job is None:
@@ -711,18 +540,18 @@ class Broker:
         message = job.receive()  # a last word it sent before exiting
         if self._running.get(work.container) is work:
             try:
-                outcome(message or {"status": "exited"})
-                if message is not None and message.get("status") == "ok":
-                    self._succeed(work, message)
-                    return
-                raise HelperFailed("the broker's helper exited without an answer")
+                report = work.hear(message or {"status": "exited"})
+                if not isinstance(report, Done):
+                    raise HelperFailed("the broker's helper exited without an answer")
+                self._succeed(work, report)
+                return
             except policy.Refused as refused:
                 self._refuse(work, refused)
             except HelperFailed as failed:
                 self._fail(work, failed)
             self._release(work)
 
-    def _release(self, work: _Work) -> None:
+    def _release(self, work: Conversation) -> None:
         """The request is answered: its helper leaves the loop (or, if it is stuck in the
         kernel, waits among the stuck), and the container's next request may start."""
         job = work.job
@@ -787,7 +616,7 @@ class Broker:
             elif (not job.aborted and job.killed_at is not None
                   and now - job.killed_at >= KILL_GRACE):
                 job.aborted = True
-                aborted = [n for n in self.records.connections(container) if _abort(n)]
+                aborted = [n for n in self.records.connections(container) if node.abort(n)]
                 self.stats.aborted(len(aborted))
                 logs.event(self.log, "broker.aborted", logging.WARNING, cgroup=container,
                            connections=aborted,
@@ -796,21 +625,21 @@ class Broker:
 
     # -- answers -------------------------------------------------------------------------
 
-    def _refuse(self, work: _Work, refused: policy.Refused) -> None:
+    def _refuse(self, work: Conversation, refused: policy.Refused) -> None:
         work.fields.update(reason=str(refused), kind=refused.kind)
         self.stats.refused(refused.kind)
         if self._budget.admit(work.container, refused.kind, str(refused), time.monotonic()):
             self._log(work, "broker.refused", logging.WARNING)
         self._reply(work, status="error", message=f"broker refused: {refused}")
 
-    def _fail(self, work: _Work, failed: HelperFailed) -> None:
+    def _fail(self, work: Conversation, failed: HelperFailed) -> None:
         work.fields["reason"] = str(failed)
         self.stats.failed()
         if self._budget.admit(work.container, "failed", str(failed), time.monotonic()):
             self._log(work, "broker.failed", logging.ERROR)
         self._reply(work, status="error", message=f"broker: {failed}")
 
-    def _log(self, work: _Work, event: str, level: int) -> None:
+    def _log(self, work: Conversation, event: str, level: int) -> None:
         # Logged before the reply: whoever sees the answer can already find its line.
         work.fields["duration_ms"] = round((time.perf_counter() - work.started) * 1000, 2)
         logs.event(self.log, event, level,
@@ -824,12 +653,12 @@ class Broker:
                        suppressed=summary.suppressed, seconds=summary.seconds,
                        last_reason=budget.bounded(summary.reason))
 
-    def _reply(self, work: _Work, **fields: object) -> None:
+    def _reply(self, work: Conversation, **fields: object) -> None:
         work.answered = True
         _answer(work.sock, protocol.encode(**fields))
         work.caller.close()
 
-    def _drop(self, work: _Work) -> None:
+    def _drop(self, work: Conversation) -> None:
         work.sock.close()
         work.caller.close()
 
@@ -853,52 +682,3 @@ def _answer(sock: socket.socket, message: bytes) -> None:
         while sock.recv(protocol.MAX_MESSAGE + 1):
             pass
     sock.close()
-
-
-def install_shim(directory: Path, shim: bytes) -> Path:
-    """Put the shim where Allocate binds it from, unless it is already there.
-
-    A bind source that was missing when a container started is created by the runtime
-    as an empty directory: removed here, so such a node recovers. An identical shim is
-    left alone (containers bind that very file); temp files an interrupted start left
-    are removed."""
-    path = directory / protocol.SHIM_NAME
-    for stale in directory.glob(f".{protocol.SHIM_NAME}.*.tmp"):
-        files.discard(stale)
-    if path.is_dir() and not path.is_symlink():
-        path.rmdir()
-    if files.read_or_none(path) != shim:
-        files.write_atomic(path, shim, 0o755)
-    return path
-
-
-def _ensure_fusectl() -> None:
-    """The FUSE connections' control files: mounted here if this namespace lacks them
-    (a pod's /sys has the directory but not the filesystem)."""
-    if os.path.ismount(records.FUSECTL):
-        return
-    from fuse_plugin.broker import kernel
-
-    kernel.mount("fusectl", str(records.FUSECTL), "fusectl", 0)
-
-
-def _abort(connection: int) -> bool:
-    try:
-        (records.FUSECTL / str(connection) / "abort").write_text("1")
-    except OSError:
-        return False
-    return True
-
-
-def _int(fields: dict[str, str], name: str) -> int:
-    text = fields.get(name, "")
-    if not protocol.DIGITS.fullmatch(text):
-        raise HelperFailed(f"the helper sent a bad {name}: {text[:20]!r}")
-    return int(text)
-
-
-def _connection(fields: dict[str, str]) -> int:
-    try:
-        return policy.connection_of(fields.get("dev", ""))
-    except ValueError as err:
-        raise HelperFailed(f"the helper sent {err}") from None

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import yaml
 
-from fuse_plugin.broker import protocol, server
+from fuse_plugin.broker import protocol, settings
 from tests.cluster.cluster import Api, Cluster, Kubectl, pod_ready
 from tests.cluster.kube import (
     APPLY,
@@ -339,7 +339,7 @@ def test_broker_component_on_a_fresh_node_as_the_readme_says(
     line = wait_allocatable(api, DEFAULT_SLOTS)
     st = SHIM.lstat()
     on_host = hashlib.sha256(SHIM.read_bytes()).hexdigest()
-    in_image = exec_in(kubectl, PLUGIN_NS, name, f"sha256sum {server.DEFAULT_SHIM}").split()[0]
+    in_image = exec_in(kubectl, PLUGIN_NS, name, f"sha256sum {settings.DEFAULT_SHIM}").split()[0]
     healths = health_lines(kubectl, api)
     serving = lines_with(pod_log(kubectl, PLUGIN_NS, name), " broker.serving ")
     probes = {kind: (container[kind]["httpGet"]["path"], container[kind]["httpGet"]["port"])
@@ -349,7 +349,7 @@ def test_broker_component_on_a_fresh_node_as_the_readme_says(
         f"probes {probes}; container ready={status['ready']} image={status['image']}",
         *serving,
         f"{SHIM}: {stat.filemode(st.st_mode)} sha256 {on_host[:16]}; "
-        f"{server.DEFAULT_SHIM} in the image: {in_image[:16]}",
+        f"{settings.DEFAULT_SHIM} in the image: {in_image[:16]}",
         *healths, line,
     ) + "\n" + component_logs(kubectl, api)
     assert status["ready"], proof

@@ -16,7 +16,7 @@ from typing import Any
 
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.broker import protocol
-from fuse_plugin.broker.server import install_shim
+from fuse_plugin.broker.node import install_shim
 from tests.lib import oci, plugin
 from tests.lib.servers import stop_process
 from tests.lib.waiting import wait_for

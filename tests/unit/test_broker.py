@@ -20,9 +20,11 @@ import grpc
 import pytest
 
 from fuse_plugin.broker import mountinfo, policy, protocol, server
+from fuse_plugin.broker.node import install_shim
 from fuse_plugin.broker.policy import Existing, Mark, MountOptions, Owner, Refused, Target
 from fuse_plugin.broker.records import Record, Records
-from fuse_plugin.broker.server import Broker, BrokerSettings, install_shim
+from fuse_plugin.broker.server import Broker
+from fuse_plugin.broker.settings import BrokerSettings
 from tests.lib import broker as broker_rig
 from tests.lib.kubelet import KubeletStandIn
 from tests.lib.plugin import RESOURCE, StartPlugin
@@ -262,13 +264,6 @@ def test_fuseblk_is_fuse_for_every_rule() -> None:
     assert not any(policy.is_fuse(t) for t in ("fusectl", "fuseblkx", "tmpfs", "overlay"))
     assert {"fuse", "fuse.", "fuseblk", "fuseblk.", "autofs"} <= set(policy.NO_WALK)
     assert not policy.MOUNTABLE & {"fuse", "fuseblk", "autofs", "proc", "sysfs"}
-
-
-def test_connection_numbers_come_from_the_superblocks_device() -> None:
-    assert policy.connection_of("0:63") == 63
-    for bad in ("", "63", "0:x", f"0:{ARABIC_INDIC}"):
-        with pytest.raises(ValueError, match="bad device"):
-            policy.connection_of(bad)
 
 
 # -- mountinfo and records ----------------------------------------------------------------

@@ -5,6 +5,7 @@ new process, even one that gets the old pid, is read afresh."""
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 from pathlib import Path
@@ -15,6 +16,12 @@ from fuse_plugin.broker import caller
 
 pytestmark = pytest.mark.skipif(not caller._pidfd_inodes_unique(),
                                 reason="pidfds share one inode before Linux 6.9 (no cache)")
+
+
+@pytest.fixture(autouse=True)
+def empty_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other tests identify this process too: each test here starts from nothing."""
+    monkeypatch.setattr(caller, "_CONTAINERS", collections.OrderedDict())
 
 
 def _connected(tmp_path: Path) -> tuple[socket.socket, socket.socket]:
@@ -78,7 +85,7 @@ def test_another_process_is_read_afresh(tmp_path: Path,
 
 def test_the_cache_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(caller, "CACHED_PROCESSES", 2)
-    monkeypatch.setattr(caller, "_CONTAINERS", caller.collections.OrderedDict(
+    monkeypatch.setattr(caller, "_CONTAINERS", collections.OrderedDict(
         (n, f"/c{n}") for n in range(1, 3)))
     client, conn = _connected(tmp_path)
     with client, conn:

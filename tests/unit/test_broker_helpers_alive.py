@@ -18,8 +18,10 @@ import pytest
 
 from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker import protocol, server
+from fuse_plugin.broker.conversation import Conversation
 from fuse_plugin.broker.helper import Job
-from fuse_plugin.broker.server import Broker, BrokerSettings
+from fuse_plugin.broker.server import Broker
+from fuse_plugin.broker.settings import BrokerSettings
 
 
 class StandInJob:
@@ -57,7 +59,7 @@ def queue(loop: Broker, container: str) -> socket.socket:
     """A request of ``container`` waiting for its helper; the caller's end is returned."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     who = callers.Caller(pid=1, uid=0, gid=0, pidfd=-1, container=container)
-    work = server._Work(ours, who, time.monotonic() + 5)
+    work = Conversation(ours, who, time.monotonic() + 5)
     work.parsed = protocol.Request(op="unmount", path="/mnt/x")
     loop._queued.setdefault(container, collections.deque()).append(work)
     return theirs

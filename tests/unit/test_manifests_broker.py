@@ -18,7 +18,7 @@ import yaml
 
 from fuse_plugin import cli
 from fuse_plugin.args import env_name, optional_path
-from fuse_plugin.broker import protocol, server
+from fuse_plugin.broker import protocol, settings
 from tests.lib.dockerfile import BUILDER, RUNTIME
 from tests.lib.manifests import (
     COMPLETE_RESTRICTED,
@@ -156,7 +156,7 @@ def test_broker_args_match_the_cli_and_the_plugin_patch() -> None:
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert {BROKER_DIR, str(args.state_dir)} == mounts
     assert str(args.state_dir) == STATE_DIR
-    assert args.shim == server.DEFAULT_SHIM
+    assert args.shim == settings.DEFAULT_SHIM
     # The probes read the port the broker serves.
     [port] = container["ports"]
     assert port["containerPort"] == args.metrics_port
@@ -191,7 +191,7 @@ def test_image_ships_the_shim_and_its_helper_where_the_broker_looks() -> None:
     built = build.split()[-1]
     [copy] = [c.value for c in RUNTIME.all("COPY") if built in c.value]
     source, target = copy.split()[1:]
-    assert (source.rstrip("/"), target.rstrip("/")) == (built, str(server.DEFAULT_SHIM.parent))
+    assert (source.rstrip("/"), target.rstrip("/")) == (built, str(settings.DEFAULT_SHIM.parent))
     script = (Path(__file__).parents[2] / "scripts" / "build-native").read_text()
     assert f"{protocol.SHIM_NAME}:" in script
     assert "fuse-broker-helper:" in script

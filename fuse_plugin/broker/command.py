@@ -1,0 +1,38 @@
+"""``fuse-device-plugin broker``: the node's FUSE mount broker, as a command.
+
+Reads the flags, sets up logging and the probes, and runs the loop (``server.Broker``)
+until SIGTERM. Follow a request from the socket to the mount in ``server`` (the loop),
+``conversation`` (one request) and ``native/helper.c`` (the steps in the caller's
+namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+from fuse_plugin import logs
+from fuse_plugin.broker.probes import serve_probes
+from fuse_plugin.broker.server import Broker
+from fuse_plugin.broker.settings import BrokerSettings, add_flags
+from fuse_plugin.signals import stop_on_signals
+
+__all__ = ["add_flags", "run"]
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = BrokerSettings(
+        directory=args.dir, state=args.state_dir, shim=args.shim,
+        max_mounts=args.max_mounts, max_mounts_node=args.max_mounts_node,
+        max_mounts_pod=args.max_mounts_pod,
+        allow_other=args.allow_other, metrics_port=args.metrics_port,
+        metrics_address=args.metrics_address, log_format=args.log_format,
+        log_level=args.log_level)
+    log = logs.setup(settings.log_format, settings.log_level)
+    broker = Broker(settings, log)
+    stop_on_signals(log, broker.stop)
+    with contextlib.ExitStack() as stack:
+        if settings.metrics_port:  # first: answering (not ready) from the start
+            stack.enter_context(serve_probes(broker, settings, log))
+        broker.start()
+        return broker.run()

@@ -1,0 +1,130 @@
+"""One request, from its connection to its reply: what the loop knows about it, the
+steps its helper has reported, and the judgements those steps need.
+
+The loop (``server.Broker``) owns sockets, helpers and limits; this module owns what a
+single request means: the rules on its strings before any helper runs (``prepare``),
+the verdict on what the helper reached (``verdict``), and the record of a mount before
+it becomes visible (``record``). Each of the helper's reports is read in its turn
+(``hear``, ``reports.STEPS``): a report out of turn fails the request.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass, field
+
+from fuse_plugin.broker import caller as callers
+from fuse_plugin.broker import policy, protocol, records, reports
+from fuse_plugin.broker.helper import Job
+
+
+@dataclass
+class Conversation:
+    """One identified connection, from accept to its reply."""
+
+    sock: socket.socket
+    caller: callers.Caller
+    deadline: float
+    parsed: protocol.Request | None = None
+    options: policy.MountOptions = field(default_factory=policy.MountOptions)
+    job: Job | None = None
+    started: float = field(default_factory=time.perf_counter)
+    fields: dict[str, object] = field(default_factory=dict)
+    answered: bool = False
+    watched: bool = False  # registered with the selector until its request arrives
+    heard: int = 0  # the helper's reports taken so far
+
+    @property
+    def container(self) -> str:
+        return self.caller.container
+
+    @property
+    def request(self) -> protocol.Request:
+        assert self.parsed is not None, "only parsed requests reach a helper"
+        return self.parsed
+
+    def prepare(self, data: bytes, held: records.Records, limits: Limits) -> None:
+        """Everything that needs no helper: the message, the rules on strings, the
+        quota, the caller's namespaces. ``policy.Refused`` when a rule says no."""
+        who = self.caller
+        try:
+            request = protocol.parse_request(data)
+        except protocol.BadRequest as bad:
+            raise policy.Refused(str(bad), "request") from None
+        self.parsed = request
+        self.fields.update(op=request.op, path=request.path[:policy.MAX_PATH])
+        policy.path(request.path)
+        if request.op == "mount":
+            self.fields["options"] = request.options[:policy.MAX_OPTIONS]
+            self.options = policy.options(request.options)
+            policy.room_for_another(held.held(who.container), limits.per_container,
+                                    held.total, limits.node)
+            pod = policy.pod_of(who.container)
+            policy.room_in_pod(held.held_by_pod(pod), limits.per_pod, pod)
+        elif not held.connections(who.container):
+            # Only a mount the broker made for this container may be unmounted: with none
+            # recorded, the answer needs no helper (an unmount flood cost one each, ten
+            # times a refusal by the rules).
+            raise policy.Refused("it is not a mount the broker made for this container (it "
+                                 "holds none); the broker removes only its own", "unmount")
+        who.open()
+        self.fields["namespace"] = who.namespace
+
+    def hear(self, message: dict[str, str]) -> reports.Report:
+        """The helper's next report, if it is the one this step expects."""
+        report = reports.read(message, self.request.op, self.heard)
+        self.heard += 1
+        return report
+
+    def verdict(self, report: reports.MountFacts | reports.UnmountFacts,
+                held: records.Records, allow_other: bool) -> dict[str, str]:
+        """Judge what the helper reached; the mount's (or unmount's) parameters, or
+        ``policy.Refused``."""
+        who = self.caller
+        if isinstance(report, reports.MountFacts):
+            policy.may_mount(report.target, self.options, who.node_root, allow_other,
+                             user_namespaced=who.user_ns != -1)
+            return self.options.verdict()
+        found = report.found
+        policy.may_unmount(found, held.owner(found.connection), container=who.container,
+                           uid=who.uid, node_root=who.node_root,
+                           mount_id=self.request.mount_id)
+        self.fields["mount_id"] = found.mount_id
+        return {"lazy": "1" if "lazy" in self.request.flags else "0"}
+
+    def record(self, built: reports.Built, held: records.Records) -> records.Record:
+        """The record of the new connection, made while its mount is still detached, so
+        a broker killed at any instant leaves no mount it made that it does not count
+        and cannot remove. No record, no mount: ``HelperFailed`` releases the helper,
+        and the detached mount goes with it."""
+        connection = built.connection
+        if held.owner(connection) is not None:
+            # The kernel mounts a /dev/fuse already in use as one more mount of its
+            # superblock: one connection, any number of mount points, one record.
+            raise policy.Refused(f"this /dev/fuse already serves a mount (FUSE connection "
+                                 f"{connection}): open /dev/fuse again for another mount",
+                                 "allocation")
+        inode = held.inode_of(connection)
+        if inode is None:
+            raise reports.HelperFailed(f"the new FUSE connection {connection} is not in "
+                                       "fusectl")
+        self.fields["connection"] = connection
+        return records.Record(connection=connection, ctl_inode=inode,
+                              container=self.container, uid=self.caller.uid,
+                              namespace=self.caller.namespace, mount_id=0,
+                              path=self.request.path)
+
+    def done(self, report: reports.Done) -> None:
+        self.fields["mount_id"] = report.mount_id
+        if report.connection is not None:
+            self.fields.update(connection=report.connection, mount_options=report.options)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How many mounts the broker may hold at once: per container, per pod, per node."""
+
+    per_container: int
+    per_pod: int
+    node: int
