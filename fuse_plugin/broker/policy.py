@@ -70,7 +70,9 @@ OPTION_PAIRS = {  # fusermount3's mount flags: name -> (group, on); the last one
     "atime": ("noatime", False), "noatime": ("noatime", True), "dirsync": ("dirsync", True),
     "nosuid": ("nosuid", True), "nodev": ("nodev", True)}
 ESCAPED_VALUES = ("fsname", "subtype")  # fusermount3 honours backslash escapes in these
-DIGITS = re.compile(r"[0-9]{1,10}")
+# A 32-bit unsigned number's digits, in ASCII alone (int() takes " 5", "+5" and other
+# scripts' digits too); ten of them at most, so int() of a hostile value stays cheap.
+UINT32_DIGITS = re.compile(r"[0-9]{1,10}")
 _REFUSED_OPTIONS = {
     "suid": "broker mounts are always nosuid,nodev",
     "dev": "broker mounts are always nosuid,nodev",
@@ -233,7 +235,7 @@ def options(text: str) -> MountOptions:
 
 def _value(name: str, value: str) -> str:
     if name == "max_read":
-        if not DIGITS.fullmatch(value) or int(value) >= 1 << 32:
+        if not UINT32_DIGITS.fullmatch(value) or int(value) >= 1 << 32:
             raise Refused(f"max_read must be a number, got {value[:20]!r}", "option")
         return value
     value = _unescape(name, value)

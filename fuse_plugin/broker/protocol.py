@@ -31,7 +31,9 @@ SOCKET_ENV = "FUSE_BROKER_SOCKET"
 SHIM_TARGETS = ("/usr/bin/fusermount3", "/usr/bin/fusermount",
                 "/bin/fusermount3", "/bin/fusermount", "/usr/bin/mergerfs-fusermount")
 
-DIGITS = re.compile(r"[0-9]+")
+# ASCII digits and nothing else, any number of them: int() also takes " 5", "+5" and
+# other scripts' digits, which a field of the protocol must not be.
+ASCII_DIGITS = re.compile(r"[0-9]+")
 OPS = ("mount", "unmount")
 FLAGS = ("lazy", "auto")
 _FIELDS = ("v", "op", "path", "options", "fuse_fd", "flags", "mount_id")
@@ -115,6 +117,6 @@ def _number(fields: dict[str, str], name: str) -> int | None:
     text = fields.get(name)
     if text is None:
         return None
-    if not DIGITS.fullmatch(text) or len(text) > 10:
+    if not ASCII_DIGITS.fullmatch(text) or len(text) > 10:
         raise BadRequest(f"{name} must be a number, got {text[:20]!r}")
     return int(text)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fuse_plugin import args as types
+from fuse_plugin import args as flags
 from fuse_plugin import logs
 from fuse_plugin.errors import EXIT_USAGE, Failure
 from fuse_plugin.profiles import admit
@@ -22,19 +22,19 @@ from fuse_plugin.signals import stop_on_signals
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--source", required=True, type=types.absolute_path, metavar="DIR",
+    parser.add_argument("--source", required=True, type=flags.absolute_path, metavar="DIR",
                         help="directory with the profiles, usually the mounted ConfigMap: "
                              "AppArmor files named after their profile, seccomp files *.json")
-    parser.add_argument("--apparmor-dir", type=types.absolute_path,
+    parser.add_argument("--apparmor-dir", type=flags.absolute_path,
                         default=DEFAULT_APPARMOR_DIR, metavar="DIR",
                         help=f"where AppArmor profiles go (default: {DEFAULT_APPARMOR_DIR})")
-    parser.add_argument("--seccomp-dir", type=types.absolute_path,
+    parser.add_argument("--seccomp-dir", type=flags.absolute_path,
                         default=DEFAULT_SECCOMP_DIR, metavar="DIR",
                         help=f"where seccomp profiles go (default: {DEFAULT_SECCOMP_DIR}; "
                              "pods name them fuse-device-plugin/<preset>.json)")
     parser.add_argument("--apparmor-parser", default=DEFAULT_PARSER, metavar="PROGRAM",
                         help=f"the AppArmor parser to run (default: {DEFAULT_PARSER} on PATH)")
-    parser.add_argument("--sys-dir", type=types.absolute_path, default=Path("/sys"),
+    parser.add_argument("--sys-dir", type=flags.absolute_path, default=Path("/sys"),
                         metavar="DIR",
                         help="where sysfs is mounted; AppArmor is detected and checked below "
                              "it (default: /sys)")
@@ -47,7 +47,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                              "runtime default names, attachments, hats, change_profile, "
                              "bare mount/umount/pivot_root, exec transitions, seccomp "
                              "allowing bpf, kexec, modules and the like; docs/profiles.md)")
-    types.add_log_flags(parser)
+    flags.add_log_flags(parser)
 
 
 def run(args: argparse.Namespace, paths: NodePaths | None = None) -> int:
