@@ -13,10 +13,9 @@ import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from fuse_plugin import logs
-from fuse_plugin.api import api_pb2 as api
+from fuse_plugin.allocation import Grant
 from fuse_plugin.config import Settings
 from fuse_plugin.devices import DeviceState, Prober, probe, with_shim
 from fuse_plugin.errors import EXIT_USAGE, Failure
@@ -62,8 +61,8 @@ def assembled(settings: Settings, log: logging.Logger, prober: Prober = probe
             logs.event(log, "cdi.spec_written", path=str(spec), device=cdi_device)
             stack.callback(logs.event, log, "cdi.spec_removed", path=str(spec))
             stack.callback(cdi.remove_spec, spec)
-        servicer = FuseServicer(state, log, stats, cdi_device=cdi_device,
-                              mounts=_broker_mounts(settings.broker_dir))
+        grant = Grant(settings.fuse_device, cdi_device, settings.broker_dir)
+        servicer = FuseServicer(state, log, stats, grant)
         lifecycle = Lifecycle(settings, state, servicer, log, stats)
         port = None
         if settings.metrics_port:
@@ -72,17 +71,6 @@ def assembled(settings: Settings, log: logging.Logger, prober: Prober = probe
             port = stack.enter_context(metrics.serving(
                 lifecycle, stats, settings.metrics_address, settings.metrics_port, log)).port
         yield Plugin(lifecycle, stats, port)
-
-
-def _broker_mounts(broker_dir: Path | None) -> list[api.Mount]:
-    """Broker mode (--broker-dir): the socket's directory and the fusermount3 shim,
-    read-only, in every container (docs/broker.md)."""
-    if broker_dir is None:
-        return []
-    from fuse_plugin.broker import protocol
-
-    return [api.Mount(container_path=inside, host_path=host, read_only=True)
-            for inside, host in protocol.container_mounts(broker_dir)]
 
 
 @contextmanager

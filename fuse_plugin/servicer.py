@@ -12,20 +12,20 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from fuse_plugin import logs
+from fuse_plugin.allocation import Grant
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.devices import DeviceState, Health
 from fuse_plugin.stats import Stats
 
 SERVICE = api.DESCRIPTOR.services_by_name["DevicePlugin"].full_name  # v1beta1.DevicePlugin
-CONTAINER_DEVICE = "/dev/fuse"
 # The kubelet opens one ListAndWatch stream per registration. The sync gRPC server gives
 # each stream a worker thread, so streams are capped below the pool size: unary calls
 # (Allocate above all) always find a free worker.
@@ -44,7 +44,7 @@ class FuseServicer(api_pb2_grpc.DevicePluginServicer):
     """Answers the kubelet from ``DeviceState``; responses are prebuilt where they can be."""
 
     def __init__(self, state: DeviceState, log: logging.Logger, stats: Stats,
-                 cdi_device: str | None = None, mounts: Sequence[api.Mount] = ()) -> None:
+                 grant: Grant | None = None) -> None:
         self._state = state
         self._log = log
         self._stats = stats
@@ -57,13 +57,8 @@ class FuseServicer(api_pb2_grpc.DevicePluginServicer):
                 devices=[api.Device(ID=i, health=health.value) for i in state.ids])
             for health in Health
         }
-        # With CDI the runtime may edit the container from the spec instead; the DeviceSpec
-        # stays so that runtimes without CDI still get the device.
-        self._container = api.ContainerAllocateResponse(
-            devices=[api.DeviceSpec(container_path=CONTAINER_DEVICE,
-                                    host_path=str(state.device), permissions="rw")],
-            cdi_devices=[api.CDIDevice(name=cdi_device)] if cdi_device else [],
-            mounts=mounts)
+        # Every container gets the same answer (allocation.Grant decides what it holds).
+        self._container = (grant or Grant(state.device)).response()
         # The kubelet sends one Allocate per container, and a pod asks for one slot: the
         # exact bytes of every such request, mapped to its slot (~100 bytes per slot).
         self._usual = {

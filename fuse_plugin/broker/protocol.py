@@ -5,16 +5,15 @@ NUL-terminated ``key=value`` fields, which is trivial to write and read in C and
 ambiguous: paths and options never contain NUL. Nothing but text crosses the socket: a
 mount request names the number of the /dev/fuse fd the shim opened (``fuse_fd``), and
 the broker's helper takes that fd from the caller with ``pidfd_getfd``; the socket
-refuses descriptors (``SO_PASSRIGHTS``). The same codec carries the broker's conversation
-with its helper (``native/helper.c``). The C side of the wire is ``native/fusermount3.c``;
-a unit test keeps its constants equal to these.
+refuses descriptors (``SO_PASSRIGHTS``). The C side of the wire is
+``native/fusermount3.c``; a unit test keeps its constants equal to these. (The broker
+talks to its helper in ``frames``, not in this codec.)
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 VERSION = "2"
 MAX_MESSAGE = 16384
@@ -51,14 +50,6 @@ class Request:
     flags: frozenset[str] = frozenset()
     mount_id: int | None = None
     fuse_fd: int = -1
-
-
-def container_mounts(broker_dir: Path) -> list[tuple[str, str]]:
-    """(container path, host path) of every read-only bind Allocate adds in broker mode:
-    the socket's directory (so a restarted broker's new socket is seen) and the shim at
-    each place a FUSE library looks for fusermount."""
-    shim = str(broker_dir / SHIM_NAME)
-    return [(CONTAINER_DIR, str(broker_dir)), *((target, shim) for target in SHIM_TARGETS)]
 
 
 def encode(**fields: object) -> bytes:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fuse_plugin import cdi, devices, logs
+from fuse_plugin.allocation import broker_binds
 from fuse_plugin.devices import Health, Prober
 from fuse_plugin.dra.claims import Allocation, ClaimError, ClaimSource, allocation
 
@@ -61,7 +62,7 @@ class Preparer:
         from fuse_plugin.broker import protocol
 
         self._shim = broker_dir / protocol.SHIM_NAME
-        self._broker_mounts = protocol.container_mounts(broker_dir)
+        self._broker_mounts = broker_binds(broker_dir)
         # One claim's file is written by one call at a time (the kubelet may retry while
         # a slow call still runs); different claims proceed in parallel.
         self._locks: dict[str, threading.Lock] = {}

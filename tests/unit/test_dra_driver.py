@@ -16,6 +16,7 @@ from typing import Any
 import jsonschema  # type: ignore[import-untyped]
 import pytest
 
+from fuse_plugin.allocation import broker_binds
 from fuse_plugin.broker import protocol
 from fuse_plugin.dra.settings import DRIVER_NAME
 from fuse_plugin.errors import Failure
@@ -113,7 +114,7 @@ def test_broker_claim_also_gets_the_brokers_read_only_binds(rig: Rig) -> None:
     spec = spec_of(rig, uid)
     assert list(jsonschema.Draft7Validator(SCHEMA).iter_errors(spec)) == []
     mounts = spec["devices"][0]["containerEdits"]["mounts"]
-    expected = protocol.container_mounts(rig.settings.broker_dir)
+    expected = broker_binds(rig.settings.broker_dir)
     assert [(m["containerPath"], m["hostPath"]) for m in mounts] == expected
     assert all("ro" in m["options"] and m["type"] == "bind" for m in mounts)
     assert spec["devices"][0]["containerEdits"]["deviceNodes"][0]["fileMode"] == 0o666
