@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +66,7 @@ class Status:
 class Change(enum.Enum):
     """What an inotify event (or the safety net) says changed; the loop acts on them."""
 
-    DEVICE = "device"  # the FUSE node or, in broker mode, the broker's shim
+    DEVICE = "device"  # one of the device's files (``Lifecycle.device_files``)
     KUBELET = "kubelet"  # a kubelet.sock appeared or went
     SOCKET = "socket"  # our socket file
     DIRECTORY = "directory"  # the device-plugin directory itself went or came back
@@ -91,9 +91,8 @@ class _Events(FileSystemEventHandler):
         settings = self._plugin.settings
         dest = getattr(event, "dest_path", "") or ""
         paths = {os.fsdecode(event.src_path), os.fsdecode(dest)}
-        if str(settings.fuse_device) in paths or (
-                settings.broker_dir is not None and str(settings.broker_dir) in
-                {os.path.dirname(p) for p in paths}):
+        # A device file changed, or a directory holding one came or went.
+        if paths & self._plugin.device_watch:
             self._plugin.mark(Change.DEVICE)
         if str(settings.kubelet_socket) in paths:
             self._plugin.mark(Change.KUBELET)
@@ -107,9 +106,14 @@ class Lifecycle:
     """Serve, register, re-register; one loop thread owns every state change."""
 
     def __init__(self, settings: Settings, state: DeviceState, servicer: FuseServicer,
-                 log: logging.Logger, stats: Stats) -> None:
+                 log: logging.Logger, stats: Stats, *,
+                 device_files: Sequence[Path] = ()) -> None:
+        """``device_files``: the files whose change may change the device's health (the
+        prober reads them); the device node when none are given."""
         self.settings = settings
         self.state = state
+        self.device_files = tuple(device_files) or (settings.fuse_device,)
+        self.device_watch = {str(p) for f in self.device_files for p in (f, f.parent)}
         self.servicer = servicer
         self.status = Status()
         self._log = log
@@ -258,10 +262,10 @@ class Lifecycle:
 
     def _watch_targets(self) -> list[Path]:
         targets = [self.settings.device_plugin_dir, self.settings.device_plugin_dir.parent]
-        broker = self.settings.broker_dir
-        # The broker's directory and its parent: the broker may make it after we start.
-        for extra in (self.settings.fuse_device.parent, broker, broker and broker.parent):
-            if extra is not None and extra not in targets:
+        # Each device file's directory, and that one's parent: a directory may be made
+        # after we start (the broker's, by the broker).
+        for extra in (d for f in self.device_files for d in (f.parent, f.parent.parent)):
+            if extra not in targets:
                 targets.append(extra)
         return targets
 

@@ -39,10 +39,12 @@ def assembled(settings: Settings, log: logging.Logger, prober: Prober = probe
     """Build the plugin; raise ``Failure`` (one line) when a part cannot start."""
     with ExitStack() as stack:
         stats = Stats()
+        device_files = [settings.fuse_device]
         if settings.broker_dir is not None:
             from fuse_plugin.broker import protocol
 
-            prober = with_shim(prober, settings.broker_dir / protocol.SHIM_NAME)
+            device_files.append(settings.broker_dir / protocol.SHIM_NAME)
+            prober = with_shim(prober, device_files[-1])
         state = DeviceState(settings.fuse_device, settings.slots, prober)
         cdi_device = None
         if settings.cdi:
@@ -63,7 +65,8 @@ def assembled(settings: Settings, log: logging.Logger, prober: Prober = probe
             stack.callback(cdi.remove_spec, spec)
         grant = Grant(settings.fuse_device, cdi_device, settings.broker_dir)
         servicer = FuseServicer(state, log, stats, grant)
-        lifecycle = Lifecycle(settings, state, servicer, log, stats)
+        lifecycle = Lifecycle(settings, state, servicer, log, stats,
+                              device_files=device_files)
         port = None
         if settings.metrics_port:
             from fuse_plugin import metrics

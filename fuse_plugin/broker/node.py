@@ -1,5 +1,5 @@
-"""What the broker sets up and touches on the node itself: the shim where Allocate binds
-it from, the FUSE connections' control files (fusectl), and their abort switch."""
+"""What the broker sets up on the node itself: the shim where Allocate binds it from,
+and the FUSE connections' control files (fusectl; ``records.abort`` uses them)."""
 
 from __future__ import annotations
 
@@ -33,12 +33,3 @@ def ensure_fusectl() -> None:
     if not os.path.ismount(records.FUSECTL):
         kernel.mount("fusectl", str(records.FUSECTL), "fusectl", 0)
 
-
-def abort(connection: int) -> bool:
-    """Abort one FUSE connection (every request on it fails at once); False if it has
-    gone already."""
-    try:
-        (records.FUSECTL / str(connection) / "abort").write_text("1")
-    except OSError:
-        return False
-    return True

@@ -616,7 +616,7 @@ class Broker:
             elif (not job.aborted and job.killed_at is not None
                   and now - job.killed_at >= KILL_GRACE):
                 job.aborted = True
-                aborted = [n for n in self.records.connections(container) if node.abort(n)]
+                aborted = [n for n in self.records.connections(container) if records.abort(n)]
                 self.stats.aborted(len(aborted))
                 logs.event(self.log, "broker.aborted", logging.WARNING, cgroup=container,
                            connections=aborted,
