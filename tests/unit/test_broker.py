@@ -459,10 +459,21 @@ def broker_command(tmp_path: Path, shim: Path, *extra: str) -> list[str]:
 
 def test_a_pip_installed_broker_says_in_one_line_how_to_get_its_programs(
         tmp_path: Path) -> None:
-    """The wheel carries no compiled programs: `broker` with the default --shim (the
-    image's path), which a pip install lacks, names the command that builds them."""
-    command = broker_command(tmp_path, Path("/nonexistent/libexec/fusermount3"))
-    result = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
+    """``pip install .`` into a fresh venv, then ``fuse-device-plugin broker`` as a user
+    would run it: the wheel carries no compiled programs, and the default --shim (the
+    image's path) is missing, so the command names the one that builds them."""
+    root = Path(__file__).resolve().parents[2]
+    wheels, venv = tmp_path / "wheels", tmp_path / "venv"
+    for step in ([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                  "--no-build-isolation", "-w", str(wheels), str(root)],
+                 [sys.executable, "-m", "venv", str(venv)]):
+        subprocess.run(step, capture_output=True, text=True, timeout=120, check=True)
+    [wheel] = wheels.glob("*.whl")
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-deps", "--no-index",
+                    str(wheel)], capture_output=True, text=True, timeout=120, check=True)
+    result = subprocess.run([str(venv / "bin" / "fuse-device-plugin"), "broker", "--dir",
+                             str(tmp_path / "dir"), "--state-dir", str(tmp_path / "state")],
+                            capture_output=True, text=True, timeout=30, check=False)
     assert result.returncode == 2
     assert "scripts/build-native DIR" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
