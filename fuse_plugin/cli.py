@@ -24,7 +24,7 @@ from fuse_plugin.errors import EXIT_USAGE, Failure
 
 # name -> (module, what it does)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("fuse_plugin.serve", "run the device plugin on this node"),
+    "serve": ("fuse_plugin.deviceplugin.serve", "run the device plugin on this node"),
     "demo": ("fuse_plugin.demo",
              "show registration and Allocate on this machine, no cluster needed"),
     "doctor": ("fuse_plugin.doctor",

@@ -20,7 +20,7 @@ nothing: the thread waits on the listening socket and a stop pipe, with no timeo
 no connection is open. ``http.server`` is not used: it pulls in ``http.client`` and the
 ``email`` package (~0.9 MiB on every node) to parse headers nobody here reads.
 
-The plugin's metrics port (``fuse_plugin.metrics``) and the mount broker's use it.
+The plugin's metrics port (``fuse_plugin.deviceplugin.metrics``) and the mount broker's use it.
 """
 
 from __future__ import annotations

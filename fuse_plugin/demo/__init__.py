@@ -30,9 +30,9 @@ from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.config import DEFAULT_FUSE_DEVICE, Settings
 from fuse_plugin.demo import container
 from fuse_plugin.demo.kubelet import KubeletStandIn
+from fuse_plugin.deviceplugin.plugin import in_background
 from fuse_plugin.devices import FUSE_MAJOR, FUSE_MINOR, Health, probe
 from fuse_plugin.errors import Failure
-from fuse_plugin.plugin import in_background
 
 WAIT = 15.0
 

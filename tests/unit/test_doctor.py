@@ -20,14 +20,15 @@ from typing import Any
 import grpc
 import pytest
 
-from fuse_plugin import cli, logs, plugin, sockets
+from fuse_plugin import cli, logs, sockets
 from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.config import Settings
 from fuse_plugin.demo import make_node
+from fuse_plugin.deviceplugin import plugin
+from fuse_plugin.deviceplugin.servicer import WORKERS, FuseServicer
 from fuse_plugin.devices import DeviceState
 from fuse_plugin.doctor import checks as doctor
 from fuse_plugin.doctor import explain as fuse_errors
-from fuse_plugin.servicer import WORKERS, FuseServicer
 from fuse_plugin.stats import Stats
 from tests.lib.doctor_tree import (
     PLUGIN_DIR,

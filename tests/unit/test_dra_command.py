@@ -103,7 +103,7 @@ def test_runs_registers_publishes_and_stops_on_sigterm(api: FakeApiServer,
 
 
 def test_serve_never_loads_the_kubernetes_client() -> None:
-    code = ("import sys; from fuse_plugin import cli, plugin; "
+    code = ("import sys; from fuse_plugin import cli; from fuse_plugin.deviceplugin import plugin; "
             "cli.build_parser(['serve']); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('lightkube', 'httpx2', 'fuse_plugin') and "

@@ -18,11 +18,12 @@ from typing import cast
 import grpc
 import pytest
 
-from fuse_plugin import logs, plugin
+from fuse_plugin import logs
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.config import Settings
+from fuse_plugin.deviceplugin import plugin
+from fuse_plugin.deviceplugin.metrics import MAX_CONNECTIONS
 from fuse_plugin.devices import Health, Probe
-from fuse_plugin.metrics import MAX_CONNECTIONS
 from tests.lib.kubelet import KubeletStandIn
 from tests.lib.node import FakeNode
 from tests.lib.plugin import RESOURCE, PluginProcess, StartPlugin

@@ -15,10 +15,11 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fuse_plugin import http_port, metrics
+from fuse_plugin import http_port
+from fuse_plugin.deviceplugin import metrics
+from fuse_plugin.deviceplugin.lifecycle import Lifecycle
 from fuse_plugin.errors import Failure
 from fuse_plugin.http_port import TEXT, Answer, HttpPort
-from fuse_plugin.lifecycle import Lifecycle
 from fuse_plugin.stats import Stats
 from tests.lib.kubelet import KubeletStandIn
 from tests.lib.node import FakeNode

@@ -15,8 +15,8 @@ import pytest
 
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.demo import make_node
+from fuse_plugin.deviceplugin.servicer import FuseServicer, add_to_server
 from fuse_plugin.devices import DeviceState, Health, Probe
-from fuse_plugin.servicer import FuseServicer, add_to_server
 from fuse_plugin.stats import Stats
 from tests.lib.node import FakeNode
 

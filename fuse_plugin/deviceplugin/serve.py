@@ -55,7 +55,7 @@ def lean_process() -> None:
 
 def run(parsed: argparse.Namespace) -> int:
     lean_process()
-    from fuse_plugin import plugin
+    from fuse_plugin.deviceplugin import plugin
     from fuse_plugin.signals import stop_on_signals
 
     settings = config.from_args(parsed)

@@ -19,10 +19,10 @@ import logging
 from http import HTTPStatus
 
 from fuse_plugin import http_port
+from fuse_plugin.deviceplugin.lifecycle import Lifecycle
 from fuse_plugin.devices import Health
 from fuse_plugin.exposition import CONTENT_TYPE, Exposition
 from fuse_plugin.http_port import TEXT, Answer
-from fuse_plugin.lifecycle import Lifecycle
 from fuse_plugin.stats import Stats
 
 PREFIX = "fuse_device_plugin"

@@ -30,8 +30,8 @@ from fuse_plugin import files, logs, sockets
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.config import API_VERSION, Settings
+from fuse_plugin.deviceplugin.servicer import WORKERS, FuseServicer, add_to_server
 from fuse_plugin.devices import DeviceState
-from fuse_plugin.servicer import WORKERS, FuseServicer, add_to_server
 from fuse_plugin.stats import Stats
 from fuse_plugin.watches import DirectoryWatches
 

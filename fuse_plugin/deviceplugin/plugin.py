@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from fuse_plugin import logs
 from fuse_plugin.allocation import Grant
 from fuse_plugin.config import Settings
+from fuse_plugin.deviceplugin.lifecycle import Lifecycle
+from fuse_plugin.deviceplugin.servicer import FuseServicer
 from fuse_plugin.devices import DeviceState, Prober, probe, with_shim
 from fuse_plugin.errors import EXIT_USAGE, Failure
-from fuse_plugin.lifecycle import Lifecycle
-from fuse_plugin.servicer import FuseServicer
 from fuse_plugin.stats import Stats
 
 JOIN_TIMEOUT = 15.0
@@ -69,7 +69,7 @@ def assembled(settings: Settings, log: logging.Logger, prober: Prober = probe
                               device_files=device_files)
         port = None
         if settings.metrics_port:
-            from fuse_plugin import metrics
+            from fuse_plugin.deviceplugin import metrics
 
             port = stack.enter_context(metrics.serving(
                 lifecycle, stats, settings.metrics_address, settings.metrics_port, log)).port
