@@ -1,10 +1,14 @@
-"""Broker mode (issues 14, 20, 21): FUSE mounts for containers that hold no capability.
+"""Broker mode: FUSE mounts for containers that hold no capability.
 
-Follow a request from the socket to the mount in ``server`` (the loop: accept, rules,
-helper, reply); ``protocol`` is what it and the fusermount3 shim (``native/fusermount3.c``)
-say, ``caller`` who is asking (the kernel's view), ``policy`` every rule, ``helper`` the
-conversation with ``native/helper.c`` (the broker's hands in a caller's namespaces),
-``records`` what the broker mounted, ``mountinfo`` how its own directory shows in a
-mount table, ``probes`` and ``stats`` its probes and metrics, ``kernel`` one system call.
-docs/broker.md explains the design and the threat model.
+Follow a request from the socket to the mount in ``server`` (the loop: accept, limits,
+deadlines, helpers), ``conversation`` (one request: its rules, the verdict on what the
+helper reached, the record of a new mount) and ``reports`` (the helper's words, each in
+its turn). ``command`` runs it, ``settings`` holds its flags, ``node`` sets up the node
+(the shim, fusectl). ``protocol`` is what the broker and the fusermount3 shim
+(``native/fusermount3.c``) say, ``frames`` what the loop and its helper say, ``helper``
+the helper process (``native/helper.c``: the broker's hands in a caller's namespaces),
+``caller`` who is asking (the kernel's view), ``policy`` every rule, ``records`` what the
+broker mounted, ``mountinfo`` how its own directory shows in a mount table, ``budget``
+how much it logs about one tenant, ``probes`` and ``stats`` its probes and metrics,
+``kernel`` one system call. docs/broker.md explains the design and the threat model.
 """

@@ -1,15 +1,14 @@
 """The broker's conversation with its helper (``native/helper.c``): framed, typed messages.
 
-Why framed (issue 26): the conversation used to be ``key=value`` text in one datagram
-read into a fixed buffer. A caller with 3,000 supplementary groups made the request
-longer than that buffer; the kernel cut the datagram, the fields after the groups (the
-ones that said "check as the caller" and "never walk into FUSE") were lost, and the
-helper resolved the path as uid 0, inside the tenant's FUSE mount. Now every message
-states its own length, the receiver reads it with ``MSG_TRUNC`` (so a datagram longer
-than its buffer is seen, not cut) and refuses one whose length or layout is wrong, and
-a message too large to send is refused whole by its sender. The helper's checks as the
-caller and its refusal to walk into FUSE are no longer fields at all: they are
-unconditional in the helper.
+Why framed: as ``key=value`` text in one datagram read into a fixed buffer, a caller
+with 3,000 supplementary groups made the request longer than that buffer; the kernel cut
+the datagram, the fields after the groups (the ones that said "check as the caller" and
+"never walk into FUSE") were lost, and the helper resolved the path as uid 0, inside the
+tenant's FUSE mount. So every message states its own length, the receiver reads it with
+``MSG_TRUNC`` (so a datagram longer than its buffer is seen, not cut) and refuses one
+whose length or layout is wrong, and a message too large to send is refused whole by its
+sender. The helper's checks as the caller and its refusal to walk into FUSE are not
+fields at all: they are unconditional in the helper.
 
 A frame, in the host's byte order (both ends run on one machine)::
 

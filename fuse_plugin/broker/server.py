@@ -271,8 +271,9 @@ class Broker:
     def _survive(self, step: Callable[[Any], None], arg: object) -> None:
         """Run one step of the loop; the broker's own shortage of descriptors or memory
         anywhere in it (EMFILE, ENFILE, ENOMEM, ENOBUFS) pauses accepting and answers
-        the request at hand "busy" instead of ending the broker (issue 26: a traceback
-        on /proc/N/status at the fd limit). Any other error is a bug and still ends it."""
+        the request at hand "busy" instead of ending the broker (a traceback on
+        /proc/N/status at the fd limit would let a tenant stop it). Any other error is a
+        bug and still ends it."""
         try:
             step(arg)
         except OSError as err:

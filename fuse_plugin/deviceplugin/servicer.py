@@ -34,7 +34,7 @@ WORKERS = MAX_STREAMS + 8
 # A refusal names at most this many IDs: a status detail travels in a header that gRPC
 # caps at 16 KiB, and a request naming 100,000 bad IDs must still get its answer.
 MAX_NAMED = 10
-# ...and shows at most this many characters of each: one 3 MiB ID once made a 6-million-
+# ...and shows at most this many characters of each: a 3 MiB ID would make a 6-million-
 # character log line and a refusal too big for that header (RESOURCE_EXHAUSTED instead
 # of INVALID_ARGUMENT). Our own IDs are "fuse-<index>", far shorter.
 MAX_ID_SHOWN = 64

@@ -21,7 +21,7 @@
  *   broker: ANSWER        go=1 once that connection is recorded (else go=0)
  *   helper: the result    the new mount's id, connection and line, or failed=
  *
- * What no message can switch off (issue 26: a request cut short once lost them): the
+ * What no message can switch off (a request cut short must not lose them): the
  * walk and every check run with the caller's uid, gid and groups, and never look inside
  * a mount of a type in NO_WALK. The caller's fd is judged from /proc (its fdinfo and the
  * mount table) before it is taken, so a tenant's file whose close waits on its FUSE
