@@ -43,6 +43,8 @@ import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from fuse_plugin.broker.protocol import CONTAINER_DIR
+
 MAX_PATH = 4095
 MAX_OPTIONS = 3072
 MAX_VALUE = 1024
@@ -51,7 +53,7 @@ MAX_VALUE = 1024
 # /home, /srv, /opt, /tmp, ...), and a FUSE daemon answering for /etc or /usr could feed
 # any process that reads the container's files, the node's own tools included.
 DENIED_TREES = ("/proc", "/sys", "/dev", "/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32",
-                "/lib64", "/libx32", "/boot", "/run/fuse-broker")
+                "/lib64", "/libx32", "/boot", CONTAINER_DIR)
 # Mount types whose lookups can wait on a process: never resolved through, never
 # mounted on. fuseblk too (block-device FUSE has a daemon like any FUSE). An entry that
 # ends in "." is a prefix (fuse.sshfs, fuseblk.ntfs).

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from fuse_plugin.broker import frames, policy
+from fuse_plugin.broker import frames, policy, protocol
 from tests.lib import broker as broker_rig
 
 HELPER_SOURCE = broker_rig.NATIVE / "helper.c"
@@ -25,6 +25,7 @@ def test_the_helper_and_the_codec_agree_on_constants() -> None:
     assert (int(defines["REQUEST"]), int(defines["ANSWER"]), int(defines["REPORT"])) == (
         frames.REQUEST, frames.ANSWER, frames.REPORT)
     assert tuple(defines["NO_WALK"].split(",")) == policy.NO_WALK
+    assert defines["BROKER_DIR"] == protocol.CONTAINER_DIR
 
 
 def test_no_request_field_can_switch_a_check_off() -> None:

@@ -74,6 +74,8 @@
 /* Mount types never looked inside (policy.NO_WALK; a unit test keeps them equal); an
  * entry ending in '.' is a prefix. Built in, not sent: no message can leave it out. */
 #define NO_WALK "fuse,fuse.,fuseblk,fuseblk.,autofs"
+/* Where Allocate binds the broker's directory in a container. */
+#define BROKER_DIR "/run/fuse-broker"
 #define REQUEST_FIELDS "op path uid gid groups fuse_fd"
 #define VERDICT_FIELDS "go source subtype max_read flags attrs"
 
@@ -676,7 +678,7 @@ static void present_mark(const struct table *t)
 {
 	static char buf[MAX_FRAME];
 	struct fields answer;
-	const struct mount *mark = find_point(t, "/run/fuse-broker");
+	const struct mount *mark = find_point(t, BROKER_DIR);
 
 	say("status", "mark", "mark_dev", mark ? mark->dev : "", "mark_root",
 	    mark ? mark->root : "", NULL);
