@@ -20,13 +20,11 @@ from tests.lib import oci, profiles, waiting, workloads
 from tests.lib.broker import BrokerProcess, Held, attack
 
 # The stand-in: first the flock (held until this process is gone, stuck or not), then
-# what test_broker_hostile.py's stuck helper does: a child takes the lock of the caller's
+# the stuck stand-in (tests/lib/broker.stuck_helper): a child takes the lock of the caller's
 # never-answering FUSE root (mkdir in it waits on the daemon while holding the
 # directory's lock), then this process looks a name up there and waits on that lock,
 # uninterruptibly.
-COUNTED_HELPER = """#!/usr/bin/env python3
-import fcntl, os, re, sys
-here = os.path.dirname(os.path.abspath(sys.argv[0]))
+FLOCK_FIRST = """here = os.path.dirname(os.path.abspath(sys.argv[0]))
 lock = open(os.path.join(here, "alive.lock"), "w")
 with open(os.path.join(here, "starts.log"), "a") as log:
     try:
@@ -34,23 +32,8 @@ with open(os.path.join(here, "starts.log"), "a") as log:
         log.write(f"start {os.getpid()}\\n")
     except BlockingIOError:
         log.write(f"overlap {os.getpid()}\\n")
-pidfd = int(sys.argv[2])
-info = open(f"/proc/self/fdinfo/{pidfd}").read()
-pid = int(re.search(r"^Pid:\\s+(\\d+)", info, re.M).group(1))
-stall = f"/proc/{pid}/root/mnt/stall"
-child = os.fork()
-if child == 0:
-    try:
-        os.mkdir(stall + "/x")
-    finally:
-        os._exit(0)
-for _ in range(2000):  # until the child waits inside mkdir, holding the lock
-    call = open(f"/proc/{child}/syscall").read().split()[0]
-    if call in ("83", "258", "34", "39"):  # mkdir, mkdirat (x86-64; arm64: 34)
-        break
-    os.sched_yield()
-os.stat(stall + "/y")
 """
+COUNTED_HELPER = broker_rig.stuck_helper("fcntl, os, re, sys", FLOCK_FIRST)
 
 
 def test_a_container_whose_helper_has_not_exited_gets_no_new_one(

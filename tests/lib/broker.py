@@ -170,3 +170,32 @@ class Held:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
         self.proc.wait(30)
+
+
+# A stand-in for the broker's helper that ends up where a helper would if a tenant's
+# daemon ever caught it: blocked in the kernel, beyond SIGKILL's reach. A child takes the
+# lock of the caller's never-answering FUSE root (mkdir in it waits on the daemon while
+# holding the directory's lock), then this process looks a name up there and waits on
+# that lock, uninterruptibly.
+STUCK_HELPER_BODY = """pidfd = int(sys.argv[2])
+info = open(f"/proc/self/fdinfo/{pidfd}").read()
+pid = int(re.search(r"^Pid:\\s+(\\d+)", info, re.M).group(1))
+stall = f"/proc/{pid}/root/mnt/stall"
+child = os.fork()
+if child == 0:
+    try:
+        os.mkdir(stall + "/x")
+    finally:
+        os._exit(0)
+for _ in range(2000):  # until the child waits inside mkdir, holding the lock
+    call = open(f"/proc/{child}/syscall").read().split()[0]
+    if call in ("83", "258", "34", "39"):  # mkdir, mkdirat (x86-64; arm64: 34)
+        break
+    os.sched_yield()
+os.stat(stall + "/y")
+"""
+
+
+def stuck_helper(imports: str = "os, re, sys", prelude: str = "") -> str:
+    """The stand-in's script: ``prelude`` runs first (after ``import IMPORTS``)."""
+    return f"#!/usr/bin/env python3\nimport {imports}\n{prelude}{STUCK_HELPER_BODY}"
