@@ -58,8 +58,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from bench import deployed
 from fuse_plugin.api import api_pb2 as api
 from tests.lib import broker as broker_rig
 from tests.lib import oci, plugin, profiles, waiting, workloads
@@ -128,30 +127,18 @@ def busy_share(before: tuple[int, int], after: tuple[int, int]) -> float:
 # -- the broker as deployed ---------------------------------------------------------------
 
 
-def daemonset() -> dict[str, Any]:
-    for doc in yaml.safe_load_all(DAEMONSET.read_text()):
-        if doc and doc.get("kind") == "DaemonSet":
-            found: dict[str, Any] = doc
-            return found
-    raise ValueError(f"{DAEMONSET} holds no DaemonSet")
-
-
 def cpu_request_millicores() -> int:
     """The broker container's CPU request in its DaemonSet ("100m" or "0.5"), in
     millicores: the weight the kubelet gives it when tenants keep the node busy."""
-    container = daemonset()["spec"]["template"]["spec"]["containers"][0]
-    text = str(container["resources"]["requests"]["cpu"])
+    text = str(deployed.container(DAEMONSET)["resources"]["requests"]["cpu"])
     return int(text[:-1]) if text.endswith("m") else int(float(text) * 1000)
 
 
 def deployed_flags() -> list[str]:
     """The broker's flags as its DaemonSet passes them, minus the directories (the rig
     gives temp ones) and with the metrics port moved to a free one."""
-    args: list[str] = daemonset()["spec"]["template"]["spec"]["containers"][0]["args"]
-    if args[:1] != ["broker"]:
-        raise ValueError(f"{DAEMONSET}: the broker's args do not start with broker")
     flags = []
-    for arg in args[1:]:
+    for arg in deployed.flags(DAEMONSET, "broker"):
         name = arg.split("=", 1)[0]
         if name in ("--dir", "--state-dir"):
             continue
@@ -221,7 +208,8 @@ def cpu_request(pid: int, millicores: int, name: str) -> Iterator[Path]:
 
 def grace_period() -> float:
     """terminationGracePeriodSeconds of the broker's pod: how long SIGTERM may take."""
-    return float(daemonset()["spec"]["template"]["spec"]["terminationGracePeriodSeconds"])
+    return float(deployed.daemonset(DAEMONSET)["spec"]["template"]["spec"]
+                 ["terminationGracePeriodSeconds"])
 
 
 def rss_kib(pid: int) -> int:

@@ -39,6 +39,7 @@ from typing import Any
 import grpc
 import yaml
 
+from bench import deployed
 from bench.run import (
     ALLOCATE,
     Proc,
@@ -84,13 +85,7 @@ QUICK = Sizes(calls=50, starts=1, idle_seconds=2.0)
 
 def driver_flags() -> list[str]:
     """``dra``'s flags as its DaemonSet passes them."""
-    for doc in yaml.safe_load_all(DAEMONSET.read_text()):
-        if doc and doc.get("kind") == "DaemonSet":
-            args: list[str] = doc["spec"]["template"]["spec"]["containers"][0]["args"]
-            if args[:1] != ["dra"]:
-                raise ValueError(f"{DAEMONSET}: the driver's args do not start with dra")
-            return args[1:]
-    raise ValueError(f"{DAEMONSET} holds no DaemonSet")
+    return deployed.flags(DAEMONSET, "dra")
 
 
 def start_driver(node: FakeNode, api: FakeApiServer, flags: list[str]) -> Proc:

@@ -40,6 +40,7 @@ from typing import Any
 import grpc
 import yaml
 
+from bench import deployed
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.config import API_VERSION
@@ -177,13 +178,7 @@ def free_port() -> int:
 
 def deployed_flags() -> list[str]:
     """``serve``'s flags as the DaemonSet passes them, read from its manifest."""
-    for doc in yaml.safe_load_all(DAEMONSET.read_text()):
-        if doc and doc.get("kind") == "DaemonSet":
-            args: list[str] = doc["spec"]["template"]["spec"]["containers"][0]["args"]
-            if args[:1] != ["serve"]:
-                raise ValueError(f"{DAEMONSET}: the plugin's args do not start with serve")
-            return args[1:]
-    raise ValueError(f"{DAEMONSET} holds no DaemonSet")
+    return deployed.flags(DAEMONSET, "serve")
 
 
 def plugin_command() -> list[str]:
