@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fuse_plugin.broker import protocol
 from tests.lib import broker as broker_rig
 from tests.lib import oci, profiles, waiting, workloads
 from tests.lib.broker import BrokerProcess, Held, attack
@@ -49,16 +48,10 @@ def test_a_container_whose_helper_has_not_exited_gets_no_new_one(
         tenant.sh("mkdir -p /mnt/stall /mnt/other").check()
         stall = Held(tenant, "hold", "/mnt/stall")
         assert stall.answer["status"] == "ok"
-        real.stop()
-        fake = tmp_path / "fake-bin"
-        fake.mkdir()
-        (fake / protocol.SHIM_NAME).write_bytes(broker_rig.shim().read_bytes())
-        (fake / "fuse-broker-helper").write_text(COUNTED_HELPER)
-        for program in fake.iterdir():
-            program.chmod(0o755)
-        counted = BrokerProcess(broker_dir, tmp_path / "counted", fake / protocol.SHIM_NAME)
-        counted.state = real.state  # the stall mount is the broker's: it may abort it
+        # The stall mount is the broker's (its records): it may abort it.
+        counted = broker_rig.with_stand_in_helper(real, COUNTED_HELPER, tmp_path / "counted")
         counted.start()
+        fake = counted.shim.parent  # the stand-in logs its starts beside itself
         try:
             first = attack(tenant, "ask", "--fuse", "op=mount", "path=/mnt/other")
             assert "did not finish within" in first["message"]

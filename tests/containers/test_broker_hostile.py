@@ -341,15 +341,7 @@ def test_a_helper_stuck_on_a_tenants_daemon_is_freed_by_aborting_its_connections
         stall = Held(attacker, "hold", "/mnt/stall")
         assert stall.answer["status"] == "ok"
         [connection] = attacker.fuse_connections()
-        real.stop()
-        fake = tmp_path / "fake-bin"
-        fake.mkdir()
-        (fake / protocol.SHIM_NAME).write_bytes(broker_rig.shim().read_bytes())
-        (fake / "fuse-broker-helper").write_text(STUCK_HELPER)
-        for program in fake.iterdir():
-            program.chmod(0o755)
-        stuck = BrokerProcess(broker_dir, tmp_path / "stuck", fake / protocol.SHIM_NAME)
-        stuck.state = real.state
+        stuck = broker_rig.with_stand_in_helper(real, STUCK_HELPER, tmp_path / "stuck")
         stuck.start()
         try:
             answer = attack(attacker, "ask", "--fuse", "op=mount", "path=/mnt/other")

@@ -50,6 +50,15 @@ def fds_of(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def settled(broker: BrokerProcess, baseline: int) -> None:
+    """Wait until every helper has exited and the broker's fds are back to ``baseline``."""
+    waiting.wait_for(lambda: helpers_of(broker.pid) == [], 30, "every helper to have exited",
+                     detail=lambda: f"alive: {helpers_of(broker.pid)}")
+    waiting.wait_for(lambda: fds_of(broker.pid) <= baseline, 30,
+                     f"the broker's descriptors back to {baseline}",
+                     detail=lambda: f"now {fds_of(broker.pid)}")
+
+
 @pytest.mark.parametrize(("whose", "why"), [
     ("another's", "its mount is not in the caller's namespace"),
     ("its own", "it is a file in a FUSE mount"),
@@ -83,12 +92,7 @@ def test_a_descriptor_in_a_fuse_mount_is_never_taken(
             assert tally["counts"] == {"error": ASKS}, tally
             [message] = tally["messages"]
             assert f"is not /dev/fuse opened for reading and writing ({why})" in message
-            waiting.wait_for(lambda: helpers_of(broker.pid) == [], 30,
-                             "every helper to have exited",
-                             detail=lambda: f"alive: {helpers_of(broker.pid)}")
-            waiting.wait_for(lambda: fds_of(broker.pid) <= baseline, 30,
-                             f"the broker's descriptors back to {baseline}",
-                             detail=lambda: f"now {fds_of(broker.pid)}")
+            settled(broker, baseline)
             flushes = [r for r in requests_seen(a) if r["opcode"] == FUSE_FLUSH]
             assert flushes == [], f"a FLUSH reached A's daemon: {flushes} {who(flushes)}"
             assert broker.events("broker.stalled") == []
@@ -145,12 +149,7 @@ def test_a_descriptor_swapped_between_judgement_and_take_is_bounded(
             assert set(tally["counts"]) <= {"ok", "error"}, tally
             assert sum(tally["counts"].values()) == SWAPS
             assert tally["swaps"] > 0
-            waiting.wait_for(lambda: helpers_of(broker.pid) == [], 30,
-                             "every helper to have exited",
-                             detail=lambda: f"alive: {helpers_of(broker.pid)}")
-            waiting.wait_for(lambda: fds_of(broker.pid) <= baseline, 30,
-                             f"the broker's descriptors back to {baseline}",
-                             detail=lambda: f"now {fds_of(broker.pid)}")
+            settled(broker, baseline)
         finally:
             stub.release()
 

@@ -199,3 +199,18 @@ os.stat(stall + "/y")
 def stuck_helper(imports: str = "os, re, sys", prelude: str = "") -> str:
     """The stand-in's script: ``prelude`` runs first (after ``import IMPORTS``)."""
     return f"#!/usr/bin/env python3\nimport {imports}\n{prelude}{STUCK_HELPER_BODY}"
+
+
+def with_stand_in_helper(real: BrokerProcess, script: str, workdir: Path) -> BrokerProcess:
+    """A broker like ``real`` (stopped here) whose fuse-broker-helper is ``script``, with
+    real's records, so the mounts real made stay its own; not started yet."""
+    real.stop()
+    fake = workdir / "fake-bin"
+    fake.mkdir(parents=True)
+    (fake / protocol.SHIM_NAME).write_bytes(shim().read_bytes())
+    (fake / "fuse-broker-helper").write_text(script)
+    for program in fake.iterdir():
+        program.chmod(0o755)
+    stand_in = BrokerProcess(real.directory, workdir / "broker", fake / protocol.SHIM_NAME)
+    stand_in.state = real.state
+    return stand_in
