@@ -70,6 +70,9 @@ class Records:
         self.directory.mkdir(parents=True, exist_ok=True)
         os.chmod(self.directory, 0o700)
         for entry in self.directory.glob("*.json"):
+            if entry.name.startswith("."):  # a write a killed broker never renamed
+                entry.unlink(missing_ok=True)
+                continue
             try:
                 record = Record(**json.loads(files.read_regular(entry)))
             except (OSError, ValueError, TypeError, files.NotReadable):

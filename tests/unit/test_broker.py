@@ -314,6 +314,9 @@ def test_records_count_what_the_kernel_still_holds(tmp_path: Path) -> None:
     assert kept.held("/c") == 1
     restarted = Records(tmp_path / "state", fusectl)
     (tmp_path / "state" / "garbage.json").write_text("{not json")
+    live = record(40, (fusectl / "40").stat().st_ino).name
+    # A write a killed broker left before its rename: not a record, and removed.
+    (tmp_path / "state" / f".{live}").write_bytes((tmp_path / "state" / live).read_bytes())
     assert restarted.load() == 1
     assert restarted.owner(40) == Owner("/c", 40)
     left = record(40, (fusectl / "40").stat().st_ino).name
