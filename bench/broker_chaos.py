@@ -28,6 +28,14 @@ context, mount squashfuse through the shim, read a file and unmount, in a loop
 (``bench/broker_probe.py cycle``). A round lasts 30 s; there are two, then a third in
 which the broker gets SIGTERM.
 
+CPU weights are those of a full node. The broker runs with the weight the kubelet gives
+its DaemonSet's CPU request, and every tenant container with the weight of an equal part
+of what that request leaves of the node's CPUs (2 CPUs: 190m each for the ten): the
+scheduler places pods so that their CPU requests fit the node, and that fit is what makes
+a request a share the broker gets under contention. ``--tenant-cpu-request 1000`` weights
+each tenant as a whole CPU instead, a node overcommitted tenfold that no scheduler would
+fill (the broker then gets a quarter to a half of its request).
+
 Figures and targets (issue 20's): the well-behaved mount latency (p50, p99 < 100 ms) and
 failures (none); every request answered (good and hostile: no connection closed or left
 without a reply); the longest wait of a complete request (<= the helper deadline,
@@ -208,7 +216,8 @@ class Scene:
     """A broker with its DaemonSet's flags, two well-behaved containers and eight hostile
     ones, all from the real plugin's broker-mode Allocate answer."""
 
-    def __init__(self, stack: ExitStack, work: Path, cpu_request: int = 0) -> None:
+    def __init__(self, stack: ExitStack, work: Path, cpu_request: int = 0,
+                 tenant_request: int = 0) -> None:
         self.work = work
         image = bench.make_image(work / "image", 1)
         broker_dir = work / "broker-dir"
@@ -228,6 +237,9 @@ class Scene:
         requests = {"good-root": bench.root_pod(allocation, binds),
                     "good-nonroot": bench.restricted_pod(allocation, binds, work)}
         requests |= {name: bench.root_pod(allocation, binds) for name in HOSTILE}
+        if tenant_request:
+            for request in requests.values():
+                request.cpu_shares = bench.millicores_to_shares(tenant_request)
         self.containers = {name: runc.create(oci.build_spec(request), name).start()
                            for name, request in requests.items()}
         self.cgroups = {name: cgroup_of(c.pid) for name, c in self.containers.items()}
@@ -402,14 +414,21 @@ class Report:
     cgroups: dict[str, str]
 
 
-def run(sizes: Sizes, cpu_request: int = 0) -> Report:
+def full_node_share(cpu_request: int) -> int:
+    """Each tenant container's CPU request (millicores) when the tenants fill what the
+    broker's request leaves of this machine's CPUs."""
+    return max(1, ((os.cpu_count() or 1) * 1000 - cpu_request) // (len(GOOD) + len(HOSTILE)))
+
+
+def run(sizes: Sizes, cpu_request: int = 0, tenant_request: int = 0) -> Report:
     """The rounds and the SIGTERM round. ``cpu_request`` (millicores): run the broker in
     a CPU cgroup of its own with the weight of a pod that requests that much (0: where
-    the benchmark runs)."""
+    the benchmark runs); ``tenant_request``: each tenant container's (0: the runtime's
+    default weight, that of a 1-CPU request)."""
     with ExitStack() as stack:
         work = Path(tempfile.mkdtemp(prefix="fuse-bench-chaos-"))
         stack.callback(shutil.rmtree, work, True)
-        scene = Scene(stack, work, cpu_request)
+        scene = Scene(stack, work, cpu_request, tenant_request)
         rounds = []
         for k in range(sizes.rounds):
             result = attack(scene, sizes, sizes.seconds, f"round{k + 1}")
@@ -450,6 +469,10 @@ def figures(report: Report) -> list[Figure]:
                           f"{q['p50']:.1f} / {q['p99']:.1f} / {q['max']:.1f} ms "
                           f"({q['n']} mounts)", f"p99 < {P99_TARGET_MS:g} ms",
                           q["n"] > 0 and q["p99"] < P99_TARGET_MS))
+        inside = [r.events["good_broker_side_ms"][name] for r in rounds]
+        out.append(Figure("  of which in the broker (accept to reply): p50 / p99 per round",
+                          ", ".join(f"{b['p50']:.1f} / {b['p99']:.1f}" for b in inside)
+                          + " ms"))
         out.append(Figure(f"{name}: failed mounts, reads or unmounts", str(failed), "0",
                           failed == 0 and q["n"] > 0))
     unanswered = {name: sum(r.tools[name]["requests"]["unanswered"] for r in rounds)
@@ -516,7 +539,8 @@ def figures(report: Report) -> list[Figure]:
 
 
 def as_json(report: Report, table: list[Figure], sizes: Sizes,
-            load_before: tuple[float, float, float], cpu_request: int = 0) -> dict[str, Any]:
+            load_before: tuple[float, float, float], *, cpu_request: int = 0,
+            tenant_request: int = 0) -> dict[str, Any]:
     def slim(r: Round) -> dict[str, Any]:
         out = asdict(r)
         for name in GOOD:  # the samples are long: their quantiles are enough here
@@ -530,6 +554,7 @@ def as_json(report: Report, table: list[Figure], sizes: Sizes,
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "broker_flags": report.flags,
         "broker_cpu_request_millicores": cpu_request,
+        "tenant_cpu_request_millicores": tenant_request,
         "sizes": asdict(sizes),
         "cgroups": report.cgroups,
         "broker": {"rss_start_kib": report.rss_start_kib, "fds_start": report.fds_start},
@@ -551,18 +576,27 @@ def main(argv: list[str] | None = None) -> int:
                              "much (default: its DaemonSet's request, "
                              f"{bench.cpu_request_millicores()}m); 0: no cgroup of its own, "
                              "the weight of the benchmark's process")
+    parser.add_argument("--tenant-cpu-request", type=int, default=None, metavar="MILLICORES",
+                        help="each tenant container's CPU weight as a request (default: "
+                             "an equal part of what the broker's request leaves of the "
+                             "machine's CPUs, a full node; 0: the runtime's default, a "
+                             "1-CPU weight each)")
     args = parser.parse_args(argv)
     problems = blockers()
     if problems:
         print(f"bench.broker_chaos: cannot run here: {'; '.join(problems)}", file=sys.stderr)
         return 1
     sizes = QUICK if args.quick else FULL
+    tenants = (args.tenant_cpu_request if args.tenant_cpu_request is not None
+               else full_node_share(args.broker_cpu_request) if args.broker_cpu_request else 0)
     load_before = os.getloadavg()
     with host_fuse_mode(UDEV_MODE):  # the uid-1000 neighbour opens /dev/fuse itself
-        report = run(sizes, args.broker_cpu_request)
+        report = run(sizes, args.broker_cpu_request, tenants)
     table = figures(report)
     weight = (f"the broker weighted as a {args.broker_cpu_request}m CPU request"
               if args.broker_cpu_request else "the broker in the benchmark's CPU cgroup")
+    weight += (f", each of the {len(GOOD) + len(HOSTILE)} tenants as {tenants}m" if tenants
+               else ", each tenant with the runtime's default weight (a 1-CPU request)")
     print(f"1-minute load before the run {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f} "
           f"({os.cpu_count()} CPUs); {sizes.rounds} rounds of {sizes.seconds:g} s, then "
           f"SIGTERM in a third; {weight}\n")
@@ -575,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
               "for a CPU")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(as_json(report, table, sizes, load_before,
-                                           args.broker_cpu_request), indent=1))
+                                           cpu_request=args.broker_cpu_request,
+                                           tenant_request=tenants), indent=1))
     print(f"\nJSON: {args.out}")
     return 0 if all(f.ok is not False for f in table) else EXIT_TARGET_MISSED
 

@@ -414,6 +414,9 @@ def foreign(seconds: float, threads: int) -> dict[str, Any]:
     base = f"/mnt/foreign-{os.getpid()}"
     os.makedirs(f"{base}/stub")
     stub, dev = mount_with_fuse(held, f"{base}/stub")
+    if stub.status != "ok":  # e.g. the broker got SIGTERM first: nothing to name
+        os.close(dev)
+        return {"stub": stub.status, "requests": _merge(tally, held)}
     threading.Thread(target=attacker.serve_fuse,
                      args=(dev, os.devnull, frozenset({attacker.FUSE_FLUSH,
                                                        attacker.FUSE_RELEASE}), False),

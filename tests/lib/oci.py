@@ -113,6 +113,7 @@ class ContainerRequest(base.ContainerRequest):
 
     memory_limit: int | None = None
     cpuset: str | None = None
+    cpu_shares: int | None = None  # the weight the kubelet gives the pod's CPU request
     user: tuple[int, int] = (0, 0)
     groups: Sequence[int] = ()
     no_new_privileges: bool = False
@@ -159,6 +160,8 @@ def build_spec(request: base.ContainerRequest) -> Spec:
         linux["resources"]["memory"] = {"limit": request.memory_limit}
     if request.cpuset is not None:
         linux["resources"]["cpu"] = {"cpus": request.cpuset}
+    if request.cpu_shares is not None:
+        linux["resources"].setdefault("cpu", {})["shares"] = request.cpu_shares
     if request.privileged:
         _privileged(spec, request)
     if not request.host_users:
