@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import select
 import signal
 import socket
 import struct
@@ -663,6 +664,35 @@ def test_the_brokers_probes_and_metrics(root: None, shim: Path, tmp_path: Path) 
         assert get(port, "/readyz")[0] == 503
     finally:
         broker.stop()
+
+
+def test_a_turn_takes_one_new_connection(root: None, shim: Path, tmp_path: Path) -> None:
+    """Taking a connection reads its request and may start a helper, so the loop takes
+    one a turn: the helpers' reports of mounts under way are heard between any two
+    (bench.broker_chaos: 16 a turn put the neighbours' p99 at 120-130 ms at 100m, one at
+    72-78 ms). Five requests queued at once are answered one a turn, in order."""
+    broker = Broker(BrokerSettings(directory=tmp_path / "dir", state=tmp_path / "state",
+                                   shim=shim), logging.getLogger("test"))
+    broker.start()
+    clients = []
+    try:
+        for k in range(5):
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            clients.append(client)
+            client.connect(str(broker.socket_path))
+            client.send(protocol.encode(v="2", op="unmount", path=f"/nothing/{k}"))
+        answered = []
+        for _ in clients:
+            broker._turn(0.0)
+            ready, _w, _x = select.select(clients, [], [], 0)
+            answered.append([clients.index(c) for c in ready])
+    finally:
+        broker.stop()
+        broker.run()  # stopped already: closes what start() opened
+        signal.set_wakeup_fd(-1)  # start() armed it in this (the main) thread
+        for client in clients:
+            client.close()
+    assert answered == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4]]
 
 
 def test_liveness_fails_when_the_loop_has_stopped_turning(tmp_path: Path) -> None:
