@@ -2,15 +2,15 @@
 
 ``command`` (the CLI) and the tests build it here: the device's state (the same prober
 as the device plugin's health), the preparer, the gRPC sockets, the ResourceSlice
-publisher, the probe port and an inotify watch on the device's directory. The loop
-re-checks the device and the slice when the watch fires and every ``--resync-seconds``;
+publisher, the probe port and an inotify watch on the device's directory (put back by
+the loop when that directory is made anew). The loop re-checks the device and the slice
+when the watch fires and every ``--resync-seconds``;
 everything started is undone in reverse order on the way out, whether the loop ended on
 SIGTERM or something failed half-way.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -32,6 +32,7 @@ from fuse_plugin.dra.service import DraServicer, Registered, RegistrationService
 from fuse_plugin.dra.settings import DraSettings
 from fuse_plugin.dra.slices import Publisher, SliceApi
 from fuse_plugin.errors import Failure
+from fuse_plugin.watches import DirectoryWatches
 
 JOIN_TIMEOUT = 15.0
 # The loop's heartbeat for /healthz: it wakes at least this often.
@@ -39,15 +40,16 @@ HEARTBEAT = 5.0
 
 
 class _DeviceEvents(FileSystemEventHandler):
-    """Wakes the loop when the device node is removed, replaced or made."""
+    """Wakes the loop when the device node is removed, replaced or made, or its
+    directory is deleted (the loop then puts the watch on the one made anew)."""
 
     def __init__(self, device: Path, wake: threading.Event) -> None:
-        self._device = str(device)
+        self._paths = {str(device), str(device.parent)}
         self._wake = wake
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         dest = getattr(event, "dest_path", "") or ""
-        if self._device in {os.fsdecode(event.src_path), os.fsdecode(dest)}:
+        if self._paths & {os.fsdecode(event.src_path), os.fsdecode(dest)}:
             self._wake.set()
 
 
@@ -61,6 +63,7 @@ class Driver:
     publisher: Publisher | None
     log: logging.Logger
     probe_port: int | None = None
+    watches: DirectoryWatches | None = None
 
     def __post_init__(self) -> None:
         self._wake = threading.Event()
@@ -83,6 +86,8 @@ class Driver:
         while not self._stopping.is_set():
             now = time.monotonic()
             self._beat = now
+            if self.watches is not None:
+                self.watches.rearm([self.settings.fuse_device.parent])
             changed = self.state.refresh()
             if changed is not None:
                 level = logging.INFO if changed.health is Health.HEALTHY else logging.WARNING
@@ -154,9 +159,9 @@ def assembled(settings: DraSettings, log: logging.Logger, claims: ClaimSource,
                                   sharing=settings.sharing, state=state, log=log)
         driver = Driver(settings, state, preparer, sockets, registered, publisher, log)
         observer = Observer()
-        with contextlib.suppress(OSError):
-            observer.schedule(_DeviceEvents(settings.fuse_device, driver._wake),
-                              str(settings.fuse_device.parent))
+        driver.watches = DirectoryWatches(
+            observer, _DeviceEvents(settings.fuse_device, driver._wake), log)
+        driver.watches.rearm([settings.fuse_device.parent])
         observer.daemon = True
         observer.start()
         stack.callback(observer.join, JOIN_TIMEOUT)

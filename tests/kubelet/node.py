@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from fuse_plugin.broker import mountinfo
 from tests.lib import waiting
 from tests.lib.waiting import Timeout
 
@@ -616,11 +617,8 @@ def tail(path: Path, n: int = 40) -> str:
 
 
 def mountpoints() -> list[str]:
-    out = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        mp = line.split()[4].encode().decode("unicode_escape")
-        out.append(mp)
-    return out
+    return [entry.mountpoint
+            for entry in mountinfo.parse(Path("/proc/self/mountinfo").read_text())]
 
 
 @contextlib.contextmanager

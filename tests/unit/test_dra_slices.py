@@ -6,6 +6,7 @@ drops allowMultipleAllocations, and API failures reported, not raised."""
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,10 @@ import pytest
 
 from fuse_plugin import logs
 from fuse_plugin.devices import DeviceState
+from fuse_plugin.dra import driver
 from fuse_plugin.dra.settings import DRIVER_NAME
 from fuse_plugin.dra.slices import Publisher, slice_name
-from tests.lib import apiserver
+from tests.lib import apiserver, waiting
 from tests.lib.apiserver import FakeApiServer
 from tests.lib.dra import NODE, FlipProber, running_driver, short_root
 
@@ -96,6 +98,29 @@ def test_device_node_removed_on_disk_updates_the_slice(api: FakeApiServer, root:
         seen = len(api.writes)
         rig.prober.healthy = False
         rig.settings.fuse_device.write_text("")  # an inotify event in the device's dir
+        assert api.wait_for_write(seen, WAIT), api.writes
+        assert device_names(api) == []
+
+
+def test_the_watch_comes_back_when_the_device_directory_is_made_anew(
+        api: FakeApiServer, root: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A deleted directory takes its inotify watch with it, and ext4 gives the one made
+    anew the same inode: the loop puts the watch back on the new directory, so the
+    device made there wakes it (the heartbeat is made longer than the wait, so only the
+    watch can)."""
+    monkeypatch.setattr(driver, "HEARTBEAT", 3600.0)
+    api.add_node(NODE)
+    with caplog.at_level(logging.INFO), running_driver(api, root=root, prober=None) as rig:
+        directory = rig.settings.fuse_device.parent
+        shutil.rmtree(directory)
+        directory.mkdir()
+        rig.driver.wake()  # as the heartbeat would: the loop looks again
+        waiting.wait_for(lambda: "watch.rearmed" in caplog.text, WAIT,
+                         "the watch to be put back on the new directory")
+        seen = len(api.writes)
+        rig.prober.healthy = False
+        rig.settings.fuse_device.write_text("")  # an event in the new directory
         assert api.wait_for_write(seen, WAIT), api.writes
         assert device_names(api) == []
 
