@@ -301,7 +301,7 @@ class Broker:
         """One new connection a turn. Taking it reads its request and may start a
         helper, so a turn that took many would hold every mount already under way until
         all of them were done: under bench.broker_chaos at the DaemonSet's 100m, 16 a
-        turn left the neighbours' p99 at 120-130 ms, one a turn at 72-82 ms. A flood waits
+        turn left the neighbours' p99 at 120-130 ms, one a turn at 72-87 ms. A flood waits
         in the kernel's backlog, and the listener, still readable, comes round again at
         once."""
         assert self._listener is not None
