@@ -33,11 +33,11 @@ class DirectoryWatches:
         self._handler = _Deletions(handler, self._gone)
         self._log = log
         self._watches: dict[Path, tuple[ObservedWatch, files.Identity]] = {}
-        self._deleted: set[str] = set()  # watched directories reported deleted
+        self._deleted: set[Path] = set()  # watched directories reported deleted
         self._ever: set[Path] = set()  # armed at least once: a new arming is a re-arming
 
-    def _gone(self, path: str) -> None:
-        if Path(path) in self._watches:
+    def _gone(self, path: Path) -> None:
+        if path in self._watches:
             self._deleted.add(path)
 
     def rearm(self, paths: Iterable[Path]) -> None:
@@ -50,10 +50,9 @@ class DirectoryWatches:
         for path in paths:
             identity = files.identity(path, directory=True)
             watched = self._watches.get(path)
-            if watched is not None and watched[1] == identity \
-                    and str(path) not in self._deleted:
+            if watched is not None and watched[1] == identity and path not in self._deleted:
                 continue
-            self._deleted.discard(str(path))
+            self._deleted.discard(path)
             if watched is not None:
                 with contextlib.suppress(KeyError, ValueError):  # its emitter already went
                     self._observer.unschedule(watched[0])
@@ -76,11 +75,11 @@ class _Deletions(FileSystemEventHandler):
     """The owner's handler, first telling the watches of a watched directory deleted."""
 
     def __init__(self, handler: FileSystemEventHandler,
-                 gone: Callable[[str], None]) -> None:
+                 gone: Callable[[Path], None]) -> None:
         self._handler = handler
         self._gone = gone
 
     def dispatch(self, event: FileSystemEvent) -> None:
         if isinstance(event, DirDeletedEvent):
-            self._gone(os.fsdecode(event.src_path))
+            self._gone(Path(os.fsdecode(event.src_path)))
         self._handler.dispatch(event)
