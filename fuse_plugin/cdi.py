@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +33,9 @@ CONTAINER_PATH = "/dev/fuse"
 # that says what we need keeps older runtimes working: containerd 1.7.0 vendors a CDI
 # library that rejects any version newer than 0.5.0.
 CDI_VERSION = "0.5.0"
-# A dot in the class ("vendor.com/fuse.v2") is a 0.6.0 feature.
+# A dot in the class ("vendor.com/fuse.v2") and a spec's annotations are 0.6.0 features.
 CDI_VERSION_DOTTED_CLASS = "0.6.0"
+CDI_VERSION_ANNOTATIONS = "0.6.0"
 
 # CDI is stricter than Kubernetes: vendor and class start with a letter.
 _VENDOR_OR_CLASS = re.compile(r"^[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
@@ -78,9 +79,14 @@ def check_device_name(name: str) -> None:
 
 def build_spec(device: Path, resource: str, *, name: str = DEVICE_NAME,
                file_mode: int | None = None,
-               mounts: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+               mounts: Sequence[tuple[str, str]] = (),
+               annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The spec: one device whose edits are the FUSE node, read-write, no mknod, and
     ``mounts`` ((container path, host path) pairs) as read-only binds.
+
+    ``annotations`` are the spec's own (CDI 0.6.0+): runtimes carry them and apply
+    nothing from them, so the DRA driver keeps its record of a prepared claim there, in
+    the one file that already says the claim is prepared.
 
     ``file_mode`` sets the mode of the node the runtime creates in the container (runc
     makes a new node unless the container has a user namespace of its own, where it
@@ -97,13 +103,19 @@ def build_spec(device: Path, resource: str, *, name: str = DEVICE_NAME,
         edits["mounts"] = [{"hostPath": host, "containerPath": inside,
                             "options": list(BIND_OPTIONS), "type": "bind"}
                            for inside, host in mounts]
-    return {"cdiVersion": spec_version(resource), "kind": resource,
-            "devices": [{"name": name, "containerEdits": edits}]}
+    spec: dict[str, Any] = {"cdiVersion": spec_version(resource), "kind": resource}
+    if annotations:
+        spec["cdiVersion"] = max(spec["cdiVersion"], CDI_VERSION_ANNOTATIONS,
+                                 key=lambda v: tuple(map(int, v.split("."))))
+        spec["annotations"] = dict(annotations)
+    spec["devices"] = [{"name": name, "containerEdits": edits}]
+    return spec
 
 
 def write_spec(directory: Path, device: Path, resource: str, *, name: str = DEVICE_NAME,
                file_mode: int | None = None, mounts: Sequence[tuple[str, str]] = (),
-               file_name: str | None = None) -> Path:
+               file_name: str | None = None,
+               annotations: Mapping[str, str] | None = None) -> Path:
     """Write the spec atomically into ``directory`` (created if missing); return its path.
 
     ``file_name`` defaults to one derived from the kind (the device plugin's one spec).
@@ -111,7 +123,8 @@ def write_spec(directory: Path, device: Path, resource: str, *, name: str = DEVI
     directory cannot be written; no temp file is left behind either way. The temp
     name ends in ``.tmp``, not ``.json``, so a runtime scanning the directory skips it.
     """
-    spec = build_spec(device, resource, name=name, file_mode=file_mode, mounts=mounts)
+    spec = build_spec(device, resource, name=name, file_mode=file_mode, mounts=mounts,
+                      annotations=annotations)
     text = json.dumps(spec, indent=2) + "\n"
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / (file_name or spec_file_name(resource))

@@ -11,12 +11,15 @@ unparseable or add series of the tenant's choosing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # One sample of a family: its labels (none for a plain series) and its value.
 Sample = tuple[Mapping[str, str], float]
+# One series of a histogram: its labels, its cumulative buckets (upper bound as written,
+# "+Inf" last; count) and the sum of what it observed.
+Series = tuple[Mapping[str, str], Sequence[tuple[str, int]], float]
 
 
 def escape_label(value: str) -> str:
@@ -51,6 +54,17 @@ class Exposition:
         self._lines.append(f"# TYPE {full} {kind}")
         self._lines.extend(f"{full}{labels(pairs)} {float(value)!r}"
                            for pairs, value in samples)
+
+    def histogram(self, name: str, text: str, *series: Series) -> None:
+        """A histogram family: per series its ``_bucket`` lines, ``_sum`` and ``_count``."""
+        full = f"{self._prefix}_{name}"
+        self._lines.append(f"# HELP {full} {_escape_help(text)}")
+        self._lines.append(f"# TYPE {full} histogram")
+        for pairs, buckets, total in series:
+            self._lines.extend(f"{full}_bucket{labels({**pairs, 'le': le})} {float(n)!r}"
+                               for le, n in buckets)
+            self._lines.append(f"{full}_sum{labels(pairs)} {float(total)!r}")
+            self._lines.append(f"{full}_count{labels(pairs)} {float(buckets[-1][1])!r}")
 
     def encode(self) -> bytes:
         return ("\n".join(self._lines) + "\n").encode()

@@ -18,12 +18,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 MODES = ("direct", "broker")
-DEFAULT_MODE = "direct"
 CONFIG_KEYS = ("mode",)
 
 
 class ClaimError(Exception):
     """A claim this driver cannot prepare; the message is for the pod's owner."""
+
+
+class ClaimGone(ClaimError):
+    """The API server says the claim does not exist (404)."""
 
 
 class ClaimSource(Protocol):
@@ -41,10 +44,11 @@ class AllocatedDevice:
 
 @dataclass(frozen=True)
 class Allocation:
-    """Our driver's devices in one claim, and the mode they are prepared in."""
+    """Our driver's devices in one claim, and the mode its configs chose: None when no
+    config of ours chose one (the node's default decides: ``prepare.Preparer``)."""
 
     devices: tuple[AllocatedDevice, ...]
-    mode: str
+    mode: str | None
 
 
 def parse_mode(parameters: object, where: str) -> str:
@@ -57,7 +61,7 @@ def parse_mode(parameters: object, where: str) -> str:
     if unknown:
         raise ClaimError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}: "
                          f"{expected}")
-    mode = parameters.get("mode", DEFAULT_MODE)
+    mode = parameters.get("mode", "direct")
     if mode not in MODES:
         raise ClaimError(f"{where}: mode {json.dumps(mode)[:60]} is not direct or broker")
     return str(mode)
@@ -69,11 +73,11 @@ def _applies(requests: Sequence[str], request: str) -> bool:
 
 
 def _mode_for(configs: Sequence[Mapping[str, Any]], driver: str, request: str,
-              claim: str) -> str:
-    """The last of our opaque configs that applies to ``request``: the class's configs
-    come before the claim's, so the claim's own choice wins."""
+              claim: str) -> str | None:
+    """The last of our opaque configs that applies to ``request`` (None: none does): the
+    class's configs come before the claim's, so the claim's own choice wins."""
     ordered = sorted(configs, key=lambda c: 0 if c.get("source") == "FromClass" else 1)
-    mode = DEFAULT_MODE
+    mode: str | None = None
     for index, config in enumerate(ordered):
         opaque = config.get("opaque") or {}
         if opaque.get("driver") != driver or not _applies(config.get("requests") or [],
@@ -100,7 +104,8 @@ def allocation(claim: Mapping[str, Any], driver: str, uid: str) -> Allocation:
     if not ours:
         raise ClaimError(f"claim {name} has no device of driver {driver}")
     configs = devices_part.get("config") or []
-    found, modes = [], set()
+    found: list[AllocatedDevice] = []
+    modes: set[str | None] = set()
     for result in ours:
         request = str(result.get("request", ""))
         modes.add(_mode_for(configs, driver, request, name))
@@ -108,8 +113,10 @@ def allocation(claim: Mapping[str, Any], driver: str, uid: str) -> Allocation:
                                      device=str(result.get("device", "")),
                                      share_id=result.get("shareID")))
     if len(modes) > 1:
-        raise ClaimError(f"claim {name}: its requests ask for both direct and broker mode; "
-                         "one claim is prepared in one mode (use two claims)")
+        what = "both direct and broker mode" if {"direct", "broker"} <= modes \
+            else "a mode for some requests and none for others"
+        raise ClaimError(f"claim {name}: its configs choose {what}; one claim is "
+                         "prepared in one mode (use two claims)")
     return Allocation(tuple(found), modes.pop())
 
 
@@ -130,8 +137,9 @@ class ApiClaims:
         try:
             claim = self._client.get(ResourceClaim, name, namespace=namespace)
         except ApiError as err:
-            raise ClaimError(f"cannot read claim {namespace}/{name} from the API server: "
-                             f"{err.status.code} {err.status.message}") from None
+            kind = ClaimGone if err.status.code == 404 else ClaimError
+            raise kind(f"cannot read claim {namespace}/{name} from the API server: "
+                       f"{err.status.code} {err.status.message}") from None
         except (httpx2.HTTPError, OSError, ConfigError) as err:  # unreachable, timed out,
             # a bad answer, the service account's token file gone
             raise ClaimError(f"cannot read claim {namespace}/{name} from the API server: "

@@ -1,12 +1,14 @@
 """The one place that assembles the running DRA driver from its settings.
 
 ``command`` (the CLI) and the tests build it here: the device's state (the same prober
-as the device plugin's health), the preparer, the gRPC sockets, the ResourceSlice
-publisher, the probe port and an inotify watch on the device's directory (put back by
-the loop when that directory is made anew). The loop re-checks the device and the slice
-when the watch fires and every ``--resync-seconds``;
-everything started is undone in reverse order on the way out, whether the loop ended on
-SIGTERM or something failed half-way.
+as the device plugin's health), the preparer (which reads the claims prepared before
+from their CDI specs), the gRPC sockets, the ResourceSlice publisher and a watch of the
+slice in the API server, the probe and metrics port, and an inotify watch on the device's
+directory (put back by the loop when that directory is made anew). The loop removes the
+specs of claims the API server no longer has once at start, and re-checks the device and
+the slice when either watch fires and every ``--resync-seconds``; everything started is
+undone in reverse order on the way out, whether the loop ended on SIGTERM or something
+failed half-way.
 """
 
 from __future__ import annotations
@@ -27,16 +29,20 @@ from watchdog.observers import Observer
 from fuse_plugin import http_port, logs
 from fuse_plugin.devices import DeviceState, Health, Prober, probe
 from fuse_plugin.dra.claims import ClaimSource
+from fuse_plugin.dra.metrics import DraStats, State, exposition
 from fuse_plugin.dra.prepare import Preparer
 from fuse_plugin.dra.service import DraServicer, Registered, RegistrationServicer, Sockets
 from fuse_plugin.dra.settings import DraSettings
-from fuse_plugin.dra.slices import Publisher, SliceApi
+from fuse_plugin.dra.slices import ApiFailure, Publisher, SliceApi
 from fuse_plugin.errors import Failure
+from fuse_plugin.exposition import CONTENT_TYPE
 from fuse_plugin.watches import DirectoryWatches
 
 JOIN_TIMEOUT = 15.0
 # The loop's heartbeat for /healthz: it wakes at least this often.
 HEARTBEAT = 5.0
+# A failed slice watch is started again after this, doubling up to the most.
+WATCH_RETRY = (1.0, 60.0)
 
 
 class _DeviceEvents(FileSystemEventHandler):
@@ -62,16 +68,47 @@ class Driver:
     registered: Registered
     publisher: Publisher | None
     log: logging.Logger
+    stats: DraStats
     probe_port: int | None = None
     watches: DirectoryWatches | None = None
 
     def __post_init__(self) -> None:
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        self._slice_changed = threading.Event()
         self._beat = time.monotonic()
 
     def wake(self) -> None:
         self._wake.set()
+
+    def slice_changed(self) -> None:
+        """The slice watch saw a change: check the slice at the loop's next turn."""
+        self._slice_changed.set()
+        self._wake.set()
+
+    def watch_slices(self, api: SliceApi) -> None:
+        """Wake the loop on every event of this node's slices; start the watch again
+        after a failure, backing off. Runs on its own thread until ``stop()``."""
+        retry = WATCH_RETRY[0]
+        while not self._stopping.is_set():
+            try:
+                for _ in api.watch(self.settings.driver_name, self.settings.node_name):
+                    self.slice_changed()
+                    retry = WATCH_RETRY[0]
+                    if self._stopping.is_set():
+                        return
+            except ApiFailure as err:
+                logs.event(self.log, "slice.watch_failed", logging.WARNING, error=str(err),
+                           retry_seconds=retry)
+            except Exception as err:  # an odd answer or a closed client: retry, never die
+                if self._stopping.is_set():
+                    return
+                logs.event(self.log, "slice.watch_failed", logging.ERROR,
+                           error=f"{type(err).__name__}: {err}", retry_seconds=retry)
+            else:
+                logs.event(self.log, "slice.watch_ended", logging.DEBUG)
+            self._stopping.wait(retry)
+            retry = min(retry * 2, WATCH_RETRY[1])
 
     def stop(self) -> None:
         self._stopping.set()
@@ -83,6 +120,7 @@ class Driver:
         synced = self.publisher is not None and self.publisher.published is not None \
             and not self.publisher.last_error
         next_sync = time.monotonic() + resync if synced else 0.0
+        self.preparer.collect_orphans()
         while not self._stopping.is_set():
             now = time.monotonic()
             self._beat = now
@@ -93,7 +131,10 @@ class Driver:
                 level = logging.INFO if changed.health is Health.HEALTHY else logging.WARNING
                 logs.event(self.log, "device.health", level, health=changed.health.value,
                            reason=changed.reason)
-            if self.publisher is not None and (changed is not None or now >= next_sync):
+            watched = self._slice_changed.is_set()
+            self._slice_changed.clear()
+            if self.publisher is not None and (changed is not None or watched
+                                               or now >= next_sync):
                 self.publisher.sync()
                 next_sync = now + (resync if not self.publisher.last_error
                                    else min(resync, HEARTBEAT))
@@ -125,6 +166,16 @@ class Driver:
         return True, "ready"
 
 
+    def metrics(self) -> bytes:
+        publisher = self.publisher
+        return exposition(self.stats, State(
+            registered=self.registered.registered,
+            device_healthy=self.state.health is Health.HEALTHY,
+            claims_prepared=self.preparer.prepared,
+            slice_writes=publisher.writes if publisher is not None else 0,
+            slice_failures=publisher.failures if publisher is not None else 0))
+
+
 def _routes(driver: Driver) -> dict[str, http_port.Route]:
     def answer(check: tuple[bool, str]) -> http_port.Answer:
         ok, reason = check
@@ -132,7 +183,8 @@ def _routes(driver: Driver) -> dict[str, http_port.Route]:
         return code, f"{reason}\n".encode(), http_port.TEXT
 
     return {"/healthz": lambda: answer(driver.alive()),
-            "/readyz": lambda: answer(driver.ready())}
+            "/readyz": lambda: answer(driver.ready()),
+            "/metrics": lambda: (HTTPStatus.OK, driver.metrics(), CONTENT_TYPE)}
 
 
 @contextmanager
@@ -148,8 +200,9 @@ def assembled(settings: DraSettings, log: logging.Logger, claims: ClaimSource,
         except ValueError as err:
             raise Failure(f"--driver-name: {err}") from None
         registered = Registered()
+        stats = DraStats()
         sockets = Sockets(settings.service_socket, settings.registration_socket,
-                          DraServicer(preparer, log),
+                          DraServicer(preparer, stats, log),
                           RegistrationServicer(settings.driver_name, settings.service_socket,
                                                registered, log), log)
         publisher = None
@@ -157,7 +210,8 @@ def assembled(settings: DraSettings, log: logging.Logger, claims: ClaimSource,
             publisher = Publisher(slices, driver=settings.driver_name,
                                   node=settings.node_name, slots=settings.slots,
                                   sharing=settings.sharing, state=state, log=log)
-        driver = Driver(settings, state, preparer, sockets, registered, publisher, log)
+        driver = Driver(settings, state, preparer, sockets, registered, publisher, log,
+                        stats)
         observer = Observer()
         driver.watches = DirectoryWatches(
             observer, _DeviceEvents(settings.fuse_device, driver._wake), log)
@@ -167,8 +221,11 @@ def assembled(settings: DraSettings, log: logging.Logger, claims: ClaimSource,
         stack.callback(observer.join, JOIN_TIMEOUT)
         stack.callback(observer.stop)
         # Publish before serving: a kubelet that registers us finds the pool in place.
-        if publisher is not None:
+        if publisher is not None and slices is not None:
             publisher.sync()
+            threading.Thread(target=driver.watch_slices, args=(slices,), name="slice-watch",
+                             daemon=True).start()
+            stack.callback(driver.stop)
         sockets.start()
         stack.callback(sockets.stop)
         if settings.probe_port:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -27,6 +28,7 @@ from fuse_plugin.api import dra_pb2 as dra
 from fuse_plugin.api import dra_pb2_grpc, pluginregistration_pb2_grpc
 from fuse_plugin.api import pluginregistration_pb2 as reg
 from fuse_plugin.dra.claims import ClaimError
+from fuse_plugin.dra.metrics import DraStats
 from fuse_plugin.dra.prepare import Preparer
 from fuse_plugin.errors import Failure
 
@@ -43,12 +45,10 @@ class Registered:
         self._cond = threading.Condition()
         self.registered = False
         self.error = ""
-        self.calls = 0
 
     def set(self, registered: bool, error: str) -> None:
         with self._cond:
             self.registered, self.error = registered, error
-            self.calls += 1
             self._cond.notify_all()
 
     def wait(self, timeout: float) -> bool:
@@ -83,8 +83,9 @@ class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
 
 
 class DraServicer(dra_pb2_grpc.DRAPluginServicer):
-    def __init__(self, preparer: Preparer, log: logging.Logger) -> None:
+    def __init__(self, preparer: Preparer, stats: DraStats, log: logging.Logger) -> None:
         self._preparer = preparer
+        self._stats = stats
         self._log = log
 
     def NodePrepareResources(self, request: dra.NodePrepareResourcesRequest,
@@ -96,19 +97,29 @@ class DraServicer(dra_pb2_grpc.DRAPluginServicer):
         return response
 
     def _prepare_one(self, claim: dra.Claim) -> dra.NodePrepareResourceResponse:
+        start = time.monotonic()
+        answer, outcome = self._answer(claim)
+        self._stats.observe("prepare", outcome, time.monotonic() - start)
+        return answer
+
+    def _answer(self, claim: dra.Claim) -> tuple[dra.NodePrepareResourceResponse, str]:
         try:
-            prepared = self._preparer.prepare(claim.namespace, claim.name, claim.uid)
+            prepared, recorded = self._preparer.prepare(claim.namespace, claim.name,
+                                                        claim.uid)
         except ClaimError as err:
             logs.event(self._log, "claim.refused", logging.WARNING,
                        claim=f"{claim.namespace}/{claim.name}", uid=claim.uid, error=str(err))
-            return dra.NodePrepareResourceResponse(error=str(err))
+            return dra.NodePrepareResourceResponse(error=str(err)), "refused"
         except Exception as err:  # a bug of ours: this claim fails, the call and the rest don't
             logs.event(self._log, "claim.internal_error", logging.ERROR,
                        claim=f"{claim.namespace}/{claim.name}", uid=claim.uid,
                        error=f"{type(err).__name__}: {err}")
             return dra.NodePrepareResourceResponse(
                 error=f"internal error of the {PLUGIN_TYPE} preparing this claim: "
-                      f"{type(err).__name__}: {err}")
+                      f"{type(err).__name__}: {err}"), "error"
+        if recorded:
+            logs.event(self._log, "claim.prepared_again", level=logging.DEBUG,
+                       claim=f"{claim.namespace}/{claim.name}", uid=claim.uid)
         answer = dra.NodePrepareResourceResponse()
         for item in prepared:
             device = answer.devices.add(request_names=[item.request], pool_name=item.pool,
@@ -116,7 +127,7 @@ class DraServicer(dra_pb2_grpc.DRAPluginServicer):
                                         cdi_device_ids=list(item.cdi_ids))
             if item.share_id is not None:
                 device.share_id = item.share_id
-        return answer
+        return answer, "recorded" if recorded else "prepared"
 
     def NodeUnprepareResources(self, request: dra.NodeUnprepareResourcesRequest,
                                context: grpc.ServicerContext
@@ -124,6 +135,7 @@ class DraServicer(dra_pb2_grpc.DRAPluginServicer):
         response = dra.NodeUnprepareResourcesResponse()
         for claim in request.claims:
             entry = response.claims[claim.uid]  # present even when empty, as required
+            start = time.monotonic()
             try:
                 self._preparer.unprepare(claim.uid)
             except ClaimError as err:
@@ -131,6 +143,8 @@ class DraServicer(dra_pb2_grpc.DRAPluginServicer):
                            claim=f"{claim.namespace}/{claim.name}", uid=claim.uid,
                            error=str(err))
                 entry.error = str(err)
+            self._stats.observe("unprepare", "failed" if entry.error else "unprepared",
+                                time.monotonic() - start)
         return response
 
 

@@ -29,7 +29,8 @@ DEFAULT_BROKER_DIR = Path("/var/lib/fuse-device-plugin/broker")
 DEFAULT_SLOTS = 1000
 MAX_SLOTS = 100_000
 SHARING = ("auto", "shared", "counted")
-DEFAULT_RESYNC = 60
+# A backstop: the slice's watch brings changes within a second.
+DEFAULT_RESYNC = 300
 
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
@@ -101,9 +102,10 @@ FLAGS: tuple[tuple[str, args.Parse, str], ...] = (
      "auto: one shared device (allowMultipleAllocations), counted devices if the API "
      "server drops that field; shared or counted: only that"),
     ("--resync-seconds", args.count(1, 3600),
-     "how often the ResourceSlice is checked against the API server"),
+     "how often the ResourceSlice is checked against the API server besides its watch"),
     ("--publish", args.boolean, "publish the ResourceSlice (false: only serve the kubelet)"),
-    ("--probe-port", args.port, "serve /healthz and /readyz on this port; 0 turns it off"),
+    ("--probe-port", args.port,
+     "serve /healthz, /readyz and /metrics on this port; 0 turns it off"),
     ("--probe-address", args.address, "address the probe port binds to"),
 )
 

@@ -15,17 +15,20 @@ the pool), owned by the Node so that deleting the node deletes it. What it lists
   claims already prepared keep working.
 
 The publisher compares what it wants with what the API server holds at start, when the
-device changes and every ``--resync-seconds`` (which also re-creates a slice the kubelet
-wiped after the driver was away), and writes only a difference, raising the pool's
-generation each time. It never deletes its slice at shutdown: a restarting driver keeps
-its pool, and the kubelet wipes the slices of a driver that stays away.
+device changes, when a watch on this node's slices of this driver reports any change
+(someone deleted or edited the slice: it is put back within a second), and every
+``--resync-seconds`` as a backstop for a watch that is down; it writes only a difference,
+raising the pool's generation each time. At rest that is one long-lived watch request
+(resumed from its last version when the API server closes it) and one list per resync.
+It never deletes its slice at shutdown: a restarting driver keeps its pool, and the
+kubelet wipes the slices of a driver that stays away.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 from fuse_plugin import logs
@@ -33,6 +36,9 @@ from fuse_plugin.devices import DeviceState, Health
 
 MAX_DEVICES = 128
 CAPACITY = "claims"
+# The API server ends a watch after this long; lightkube resumes it from the last
+# version it saw, so at rest this is one request per WATCH_SECONDS.
+WATCH_SECONDS = 300
 
 
 class SliceApi(Protocol):
@@ -44,6 +50,10 @@ class SliceApi(Protocol):
     def create(self, body: Mapping[str, Any]) -> dict[str, Any]: ...
     def replace(self, body: Mapping[str, Any]) -> dict[str, Any]: ...
     def delete(self, name: str) -> None: ...
+    def watch(self, driver: str, node: str) -> Iterator[str]:
+        """Event types (ADDED, MODIFIED, DELETED, ...) of this node's slices of this
+        driver, as they happen, until the watch fails (``ApiFailure``)."""
+        ...
 
 
 class ApiFailure(Exception):
@@ -118,6 +128,8 @@ class Publisher:
         self._owner: list[dict[str, Any]] | None = None
         self.published: dict[str, Any] | None = None  # the slice as last written or read
         self.last_error = ""
+        self.writes = 0  # creations and updates made (the slice_writes_total counter)
+        self.failures = 0
         self._syncing = threading.Lock()  # the loop and a caller never sync at once
 
     def devices(self) -> list[dict[str, Any]]:
@@ -135,10 +147,12 @@ class Publisher:
                 self._sync()
         except ApiFailure as err:
             self.last_error = str(err)
+            self.failures += 1
             logs.event(self._log, "slice.sync_failed", logging.WARNING, slice=self.name,
                        error=str(err))
             ok = False
         except Exception as err:  # a bug or an odd answer: the loop must go on, retrying
+            self.failures += 1
             self.last_error = f"internal error: {type(err).__name__}: {err}"
             logs.event(self._log, "slice.sync_failed", logging.ERROR, slice=self.name,
                        error=self.last_error)
@@ -183,6 +197,7 @@ class Publisher:
             written = self._api.replace(body)
             verb = "slice.updated"
         self.published = written
+        self.writes += 1
         names = [d["name"] for d in wanted["devices"]]
         shown = names if len(names) <= 4 else f"{names[0]}..{names[-1]} ({len(names)})"
         logs.event(self._log, verb, slice=self.name, generation=wanted["pool"]["generation"],
@@ -257,3 +272,21 @@ class LightkubeSlices:
 
         self._call(f"delete resourceslice {name}",
                    lambda: self._client.delete(ResourceSlice, name))
+
+    def watch(self, driver: str, node: str) -> Iterator[str]:
+        import httpx2
+        from lightkube import ApiError, ConfigError
+
+        from fuse_plugin.dra.resources import ResourceSlice
+
+        events = self._client.watch(
+            ResourceSlice, fields={"spec.driver": driver, "spec.nodeName": node},
+            server_timeout=WATCH_SECONDS)
+        try:
+            for kind, _ in events:
+                yield str(kind)
+        except ApiError as err:
+            raise ApiFailure(f"watch resourceslices: {err.status.code} "
+                             f"{err.status.message}") from None
+        except (httpx2.HTTPError, OSError, ConfigError) as err:
+            raise ApiFailure(f"watch resourceslices: {type(err).__name__}: {err}") from None

@@ -2,8 +2,10 @@
 
 It serves only what the driver calls, as the real one answers it: ResourceClaims (GET),
 Nodes (GET), and ResourceSlices (list with field selectors, GET, POST, PUT with
-resourceVersion checks, DELETE), with Status bodies for errors. Every write is recorded
-and wakes ``wait_for_change``, so tests wait on events, not on time.
+resourceVersion checks, DELETE, and watch: chunked JSON lines, ADDED for what exists
+unless a resourceVersion is given, then each change, ended after ``timeoutSeconds``), with
+Status bodies for errors. Every write is recorded and wakes ``wait_for_write``, so tests
+wait on events, not on time.
 
 ``drop_fields`` mimics an API server whose feature gate for a field is off (it drops the
 field on write, as the real one does); ``fail`` makes the next calls of a kind answer an
@@ -13,8 +15,10 @@ error code.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,9 +39,12 @@ class FakeApiServer:
         self.slices: dict[str, dict[str, Any]] = {}
         self.requests: list[tuple[str, str]] = []
         self.writes: list[tuple[str, str, dict[str, Any] | None]] = []
+        self.events: list[tuple[str, dict[str, Any]]] = []  # what watches are sent
+        self.watches = 0  # watch requests answered
         self.drop_fields: set[str] = set()
         self.fail: dict[str, int] = {}  # "GET node" / "list slices" / ... -> HTTP code
         self._version = 0
+        self._closing = False
         self._cond = threading.Condition()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
@@ -53,6 +60,9 @@ class FakeApiServer:
         return self
 
     def stop(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
         self._server.shutdown()
         self._server.server_close()
 
@@ -96,9 +106,48 @@ class FakeApiServer:
         self._version += 1
         return str(self._version)
 
-    def _record(self, verb: str, name: str, body: dict[str, Any] | None) -> None:
+    def _record(self, verb: str, name: str, body: dict[str, Any] | None,
+                obj: dict[str, Any] | None = None) -> None:
         self.writes.append((verb, name, copy.deepcopy(body)))
+        event = {"create": "ADDED", "update": "MODIFIED", "delete": "DELETED"}[verb]
+        self.events.append((event, copy.deepcopy(obj if obj is not None else body or {})))
         self._cond.notify_all()
+
+    def delete_slice(self, name: str) -> None:
+        """As another client would (the kubelet wiping it, an admin): watches see it."""
+        with self._cond:
+            gone = self.slices.pop(name)
+            self._record("delete", name, None, gone)
+
+    def _news(self, position: int) -> bool:
+        return len(self.events) > position or self._closing
+
+    def _watch_events(self, query: dict[str, list[str]], wfile: Any) -> None:
+        """Stream slice events as the API server does, until ``timeoutSeconds`` pass or
+        the server stops (the caller sent the headers)."""
+        wanted = _selector(query)
+        seconds = float((query.get("timeoutSeconds") or ["30"])[0])
+        deadline = time.monotonic() + seconds
+        with self._cond:
+            self.watches += 1
+            position = len(self.events)
+            batch = [] if query.get("resourceVersion") else [
+                ("ADDED", copy.deepcopy(s)) for s in self.slices.values()]
+        while True:
+            for kind, obj in batch:
+                if all(_field(obj, k) == v for k, v in wanted.items()):
+                    line = json.dumps({"type": kind, "object": obj}).encode() + b"\n"
+                    wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                    wfile.flush()
+            with self._cond:
+                self._cond.wait_for(functools.partial(self._news, position),
+                                    max(0.0, deadline - time.monotonic()))
+                batch = self.events[position:]
+                position = len(self.events)
+                if not batch and (self._closing or time.monotonic() >= deadline):
+                    break
+        wfile.write(b"0\r\n\r\n")
+        wfile.flush()
 
     def _drop(self, body: dict[str, Any]) -> None:
         """What the real server does to a slice it stores: quantities in canonical form
@@ -159,6 +208,21 @@ class FakeApiServer:
                     self._send(201 if method == "POST" else 200, answer)
 
             def do_GET(self) -> None:
+                parts = urlsplit(self.path)
+                query = parse_qs(parts.query)
+                if parts.path == SLICES and query.get("watch") == ["true"]:
+                    with server._cond:
+                        server.requests.append(("WATCH", self.path))
+                        code = server.fail.get("watch slices")
+                    if code is not None:
+                        self._status(code, "injected failure for watch slices")
+                        return
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    server._watch_events(query, self.wfile)
+                    return
                 self._route("GET")
 
             def do_POST(self) -> None:
@@ -203,18 +267,15 @@ class FakeApiServer:
         elif name and method == "PUT" and body is not None:
             answer = self._replace(name, body)
         elif name and method == "DELETE":
-            if self.slices.pop(name, None) is None:
+            gone = self.slices.pop(name, None)
+            if gone is None:
                 return 404, f"{name} not found"
-            self._record("delete", name, None)
+            self._record("delete", name, None, gone)
             answer = {"apiVersion": "v1", "kind": "Status", "status": "Success"}
         return answer
 
     def _list(self, query: dict[str, list[str]]) -> dict[str, Any]:
-        wanted: dict[str, str] = {}
-        for selector in query.get("fieldSelector", []):
-            for term in selector.split(","):
-                key, _, value = term.partition("=")
-                wanted[key] = value
+        wanted = _selector(query)
         items = [s for s in self.slices.values()
                  if all(_field(s, key) == value for key, value in wanted.items())]
         return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSliceList",
@@ -267,6 +328,16 @@ def _kind(method: str, path: str) -> str:
     if path == SLICES:
         return "list slices" if method == "GET" else "create slice"
     return f"{method} slice"
+
+
+def _selector(query: dict[str, list[str]]) -> dict[str, str]:
+    """``fieldSelector=a=b,c=d`` as {a: b, c: d}."""
+    wanted: dict[str, str] = {}
+    for selector in query.get("fieldSelector", []):
+        for term in selector.split(","):
+            key, _, value = term.partition("=")
+            wanted[key] = value
+    return wanted
 
 
 def _field(obj: dict[str, Any], dotted: str) -> str | None:

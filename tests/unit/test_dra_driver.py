@@ -186,12 +186,15 @@ def test_prepare_and_unprepare_are_idempotent(rig: Rig) -> None:
     claim_ = add_claim(rig.api, "again")
     first = rig.kubelet.prepare(claim_)
     inode = os.stat(rig.settings.cdi_dir / f"{DRIVER_NAME}-fuse_{claim_[2]}.json").st_ino
+    gets = len(rig.api.requests)
     second = rig.kubelet.prepare(claim_)
     assert first == second
+    # Answered from the record in the spec: no API call, the file left as it was.
+    assert rig.api.requests[gets:] == []
     files = sorted(p.name for p in rig.settings.cdi_dir.iterdir())
     assert files == [f"{DRIVER_NAME}-fuse_{claim_[2]}.json"]  # no temp file left
     path = rig.settings.cdi_dir / files[0]
-    assert path.stat().st_ino != inode  # rewritten by rename, never in place
+    assert path.stat().st_ino == inode
     for _ in range(2):
         response = rig.kubelet.unprepare(claim_)
         assert list(response.claims) == [claim_[2]]
@@ -237,9 +240,21 @@ def test_mixed_modes_in_one_claim_are_refused(rig: Rig) -> None:
     ns, name, uid = add_claim(rig.api, "mixed", results=[
         {"request": "a", "driver": DRIVER_NAME, "pool": "node-1", "device": "fuse"},
         {"request": "b", "driver": DRIVER_NAME, "pool": "node-1", "device": "fuse"}],
-        config=[opaque(DRIVER_NAME, {"mode": "broker"}, requests=["b"])])
+        config=[opaque(DRIVER_NAME, {"mode": "direct"}, requests=["a"]),
+                opaque(DRIVER_NAME, {"mode": "broker"}, requests=["b"])])
     error = rig.kubelet.prepare((ns, name, uid)).claims[uid].error
     assert "both direct and broker mode" in error
+
+
+def test_a_mode_for_some_requests_and_none_for_others_is_refused(rig: Rig) -> None:
+    """A request without a config takes the node's default, which may differ from its
+    sibling's explicit mode: refused rather than guessed."""
+    ns, name, uid = add_claim(rig.api, "half", results=[
+        {"request": "a", "driver": DRIVER_NAME, "pool": "node-1", "device": "fuse"},
+        {"request": "b", "driver": DRIVER_NAME, "pool": "node-1", "device": "fuse"}],
+        config=[opaque(DRIVER_NAME, {"mode": "broker"}, requests=["b"])])
+    error = rig.kubelet.prepare((ns, name, uid)).claims[uid].error
+    assert "a mode for some requests and none for others" in error
 
 
 def test_a_node_without_fuse_refuses_claims(rig: Rig) -> None:

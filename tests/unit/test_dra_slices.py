@@ -232,6 +232,9 @@ class _Broken:
     def delete(self, name: str) -> None:
         raise RuntimeError("surprise")
 
+    def watch(self, driver: str, node: str) -> Iterator[str]:
+        raise RuntimeError("surprise")
+
 
 def test_an_unexpected_error_is_reported_and_the_loop_goes_on() -> None:
     state = DeviceState(Path("/dev/fuse"), 1, FlipProber())
