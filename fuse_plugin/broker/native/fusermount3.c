@@ -18,7 +18,7 @@
  *
  * A broker that is restarting (its DaemonSet rolled out: the socket is gone, or left by a
  * broker that was killed) is waited for, up to WAIT_SECONDS or $FUSE_BROKER_WAIT, and said
- * so once; see ask_broker for when a request is tried again.
+ * so once; try_broker says when a request may be sent again.
  *
  * Static and dependency-free (musl), because it runs in arbitrary images. Every error is
  * one line on stderr and exit status 1.
