@@ -23,6 +23,10 @@ SHIM_NAME = "fusermount3"
 CONTAINER_DIR = "/run/fuse-broker"
 CONTAINER_SOCKET = f"{CONTAINER_DIR}/{SOCKET_NAME}"
 SOCKET_ENV = "FUSE_BROKER_SOCKET"
+# In the caller's environment: how many seconds the shim waits for a broker that is
+# restarting (its socket missing while the directory is there, or stale); the default is
+# WAIT_SECONDS in the C source.
+WAIT_ENV = "FUSE_BROKER_WAIT"
 # Where FUSE programs exec their helper (docs/broker.md has the survey): libfuse 3 and 2
 # and the Go FUSE libraries; and mergerfs, whose bundled libfuse looks for a helper of
 # its own name first (its package ships a real, unprivileged one in /usr/bin, which

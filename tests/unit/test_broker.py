@@ -44,6 +44,7 @@ def test_shim_and_protocol_agree_on_constants() -> None:
     defines = dict(re.findall(r'^#define (\w+) "?([^"\n]*)"?$', source, re.MULTILINE))
     assert defines["BROKER_SOCKET"] == protocol.CONTAINER_SOCKET
     assert defines["SOCKET_ENV"] == protocol.SOCKET_ENV
+    assert defines["WAIT_ENV"] == protocol.WAIT_ENV
     assert defines["PROTOCOL_VERSION"] == protocol.VERSION
     assert int(defines["MAX_MESSAGE"]) == protocol.MAX_MESSAGE
 
@@ -360,6 +361,9 @@ def run_shim(shim: Path, *args: str, env: dict[str, str] | None = None
      "fusermount3: bad mountpoint '/nonexistent/x': No such file or directory"),
     (("-u", "/tmp/x"), {protocol.SOCKET_ENV: "/nonexistent/b.sock"},
      "fusermount3: cannot reach the FUSE mount broker at /nonexistent/b.sock"),
+    *((("-u", "/tmp/x"), {protocol.SOCKET_ENV: "/nonexistent/b.sock", protocol.WAIT_ENV: bad},
+       f"fusermount3: {protocol.WAIT_ENV} must be a whole number of seconds from 0 to "
+       f"3600, got '{bad}'") for bad in ("", " 5", "+5", "5s", "3601", ARABIC_INDIC)),
 ])
 def test_shim_errors_are_one_line_and_exit_1(shim: Path, args: tuple[str, ...],
                                              env: dict[str, str], message: str) -> None:
@@ -451,6 +455,180 @@ def test_shim_reads_a_refusal_given_before_its_request_arrived(shim: Path,
                                              message="broker refused: busy"))
         _, err = proc.communicate(timeout=10)
     assert (proc.returncode, err) == (1, "fusermount3: broker refused: busy\n")
+
+
+# -- the shim and a broker that is restarting (issue 35) ----------------------------------
+#
+# A rollout of the broker's DaemonSet leaves the node without a broker for a few seconds:
+# the old one removed its socket (or, killed, left it stale) and the new one has not bound
+# yet. The shim waits for it, said once, and asks again only when the broker cannot have
+# taken the request.
+
+
+def _shim_define(name: str) -> str:
+    source = broker_rig.SHIM_SOURCE.read_text()
+    found = re.search(rf"^#define {name} (\S+)$", source, re.MULTILINE)
+    assert found, name
+    return found.group(1)
+
+
+def _waiting_line(path: Path, why: str, seconds: int | str) -> str:
+    return (f"fusermount3: the FUSE mount broker at {path} is not answering ({why}); "
+            f"waiting up to {seconds} s for it to restart")
+
+
+def _unreachable_line(path: Path, why: str) -> str:
+    return (f"fusermount3: cannot reach the FUSE mount broker at {path}: {why} (broker mode "
+            "needs the broker running on this node and the pod's github.com/fuse allocation)")
+
+
+def _first_line(proc: subprocess.Popen[str], timeout: float = 10.0) -> str:
+    """The shim's first line on stderr, once it has said it."""
+    assert proc.stderr is not None
+    ready, _w, _x = select.select([proc.stderr], [], [], timeout)
+    if not ready:
+        raise AssertionError(f"the shim said nothing within {timeout:g}s")
+    return proc.stderr.readline().rstrip("\n")
+
+
+def _stale_socket(path: Path) -> None:
+    """What a broker that was killed leaves: the socket file, and nobody listening."""
+    _fake_broker(path).close()
+
+
+def _finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize(("left", "why"), [("nothing", "No such file or directory"),
+                                           ("a stale socket", "Connection refused")])
+def test_shim_waits_for_a_restarting_broker_and_its_mount_is_then_served(
+        shim: Path, tmp_path: Path, left: str, why: str) -> None:
+    """No broker listening at a socket whose directory is there: the shim says once that
+    it waits (the default wait, no setting), the broker that comes up gets the mount
+    request, and libfuse gets the /dev/fuse fd, as if the broker had always been there."""
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        pytest.skip("needs /dev/fuse that this user may open")
+    path = tmp_path / "b.sock"
+    if left == "a stale socket":
+        _stale_socket(path)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours.settimeout(10)
+    with ours, theirs:
+        proc = subprocess.Popen([str(shim), "-o", "rw", str(tmp_path)],
+                                env={"_FUSE_COMMFD": str(theirs.fileno()),
+                                     protocol.SOCKET_ENV: str(path)},
+                                pass_fds=(theirs.fileno(),), stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            said = _first_line(proc)
+            path.unlink(missing_ok=True)  # as a new broker replaces a stale socket
+            with _fake_broker(path) as fake:
+                fake.settimeout(10)
+                conn, _ = fake.accept()
+                with conn:
+                    request = protocol.parse_request(conn.recv(protocol.MAX_MESSAGE))
+                    server._answer(conn, protocol.encode(status="ok", mount_id=7))
+            _, fds, _flags, _addr = socket.recv_fds(ours, 1, 1)
+        finally:
+            status = _finish(proc)
+    for fd in fds:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        os.close(fd)
+    assert said == _waiting_line(path, why, _shim_define("WAIT_SECONDS"))
+    assert (request.op, request.path, request.options) == ("mount", str(tmp_path), "rw")
+    assert (len(fds), target) == (1, "/dev/fuse")
+    assert status == (0, "")
+
+
+@pytest.mark.parametrize("accepted", [False, True])
+def test_shim_asks_again_when_the_broker_went_away_without_reading_its_request(
+        shim: Path, tmp_path: Path, accepted: bool) -> None:
+    """A broker that exits with the shim's connection in its backlog, or accepted but
+    its request unread: the kernel resets the connection, nothing of the request was
+    acted on, and the shim asks the next broker."""
+    path = tmp_path / "b.sock"
+    going = _fake_broker(path)
+    proc = subprocess.Popen([str(shim), "-u", str(tmp_path / "x")],
+                            env={protocol.SOCKET_ENV: str(path)}, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        with going:
+            ready, _w, _x = select.select([going], [], [], 10)
+            assert ready, "the shim did not connect"
+            if accepted:
+                going.accept()[0].close()
+        path.unlink()
+        said = _first_line(proc)
+        with _fake_broker(path) as fake:
+            fake.settimeout(10)
+            conn, _ = fake.accept()
+            with conn:
+                request = protocol.parse_request(conn.recv(protocol.MAX_MESSAGE))
+                server._answer(conn, protocol.encode(status="ok", mount_id=7))
+    finally:
+        status = _finish(proc)
+    assert said == _waiting_line(path, "it closed the connection unread",
+                                 _shim_define("WAIT_SECONDS"))
+    assert (request.op, request.path) == ("unmount", str(tmp_path / "x"))
+    assert status == (0, "")
+
+
+def test_shim_does_not_ask_again_once_the_broker_has_read_its_request(
+        shim: Path, tmp_path: Path) -> None:
+    """The broker read the request and went away without answering (killed mid-request):
+    it may have made the mount, so the shim says so instead of asking again. The socket
+    stays listening: a second request would hang the shim on its reply."""
+    path = tmp_path / "b.sock"
+    with _fake_broker(path) as fake:
+        fake.settimeout(10)
+        proc = subprocess.Popen([str(shim), "-u", str(tmp_path / "x")],
+                                env={protocol.SOCKET_ENV: str(path)},
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            conn, _ = fake.accept()
+            with conn:
+                conn.recv(protocol.MAX_MESSAGE)
+        finally:
+            status = _finish(proc)
+    assert status == (1, "fusermount3: the FUSE mount broker closed the connection "
+                         "(restarting?)\n")
+
+
+@pytest.mark.parametrize(("left", "why"), [("nothing", "No such file or directory"),
+                                           ("a stale socket", "Connection refused")])
+def test_shim_gives_up_on_a_broker_that_does_not_come_back(
+        shim: Path, tmp_path: Path, left: str, why: str) -> None:
+    """Past its wait (1 s here, through the caller's environment) the shim fails with the
+    line it would have printed at once, after the one that said it waits."""
+    path = tmp_path / "b.sock"
+    if left == "a stale socket":
+        _stale_socket(path)
+    result = run_shim(shim, "-u", str(tmp_path / "x"),
+                      env={protocol.SOCKET_ENV: str(path), protocol.WAIT_ENV: "1"})
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [_waiting_line(path, why, 1),
+                                          _unreachable_line(path, why)]
+
+
+@pytest.mark.parametrize(("where", "wait"), [("no directory", "3600"), ("no socket", "0")])
+def test_shim_does_not_wait_without_the_socket_directory_or_with_no_wait(
+        shim: Path, tmp_path: Path, where: str, wait: str) -> None:
+    """No /run/fuse-broker at all: Allocate did not put the container in broker mode, no
+    broker will come, and the shim fails at once with its one line, however long it
+    would wait. A wait of 0 fails at once as well. (A wait would outlast run_shim's
+    deadline.)"""
+    path = tmp_path / ("absent" if where == "no directory" else "") / "b.sock"
+    result = run_shim(shim, "-u", str(tmp_path / "x"),
+                      env={protocol.SOCKET_ENV: str(path), protocol.WAIT_ENV: wait})
+    assert (result.returncode, result.stderr.splitlines()) == (
+        1, [_unreachable_line(path, "No such file or directory")])
 
 
 # -- the broker process -------------------------------------------------------------------

@@ -16,6 +16,10 @@
  * travels over the socket but text. See docs/broker.md for the protocol and why the
  * broker, not this program, is what is trusted.
  *
+ * A broker that is restarting (its DaemonSet rolled out: the socket is gone, or left by a
+ * broker that was killed) is waited for, up to WAIT_SECONDS or $FUSE_BROKER_WAIT, and said
+ * so once; try_broker says when a request may be sent again.
+ *
  * Static and dependency-free (musl), because it runs in arbitrary images. Every error is
  * one line on stderr and exit status 1.
  */
@@ -30,8 +34,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/time.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 /* Keep in step with fuse_plugin/broker/protocol.py (a unit test compares them). */
@@ -43,11 +49,19 @@
 #define FUSE_DEVICE "/dev/fuse"
 #define MAX_MESSAGE 16384
 #define REPLY_TIMEOUT_SECONDS 60
+/* A broker that is not there is waited for this long: a rollout of its DaemonSet left a
+ * node without one for 1.7-5.8 s (issue 35). $FUSE_BROKER_WAIT (whole seconds, 0: no
+ * wait) overrides it. */
+#define WAIT_ENV "FUSE_BROKER_WAIT"
+#define WAIT_SECONDS 30
+#define WAIT_MOST 3600
+#define BACKOFF_FIRST_MS 20
+#define BACKOFF_MOST_MS 500
 
 static const char *progname = "fusermount3";
 static int quiet;
 
-static void fail(const char *format, ...)
+_Noreturn static void fail(const char *format, ...)
 {
 	va_list args;
 
@@ -128,37 +142,153 @@ static void resolve(const char *mountpoint, int whole, char *out)
 		fail("mountpoint path too long");
 }
 
-/* One request, one reply (text only). */
-static void ask_broker(const char *request, size_t len, char *reply, size_t *reply_len)
+/* $FUSE_BROKER_WAIT as whole seconds in ASCII digits (not " 5", "+5" or "5s"). */
+static long wait_seconds(void)
 {
-	const char *path = getenv(SOCKET_ENV) ? getenv(SOCKET_ENV) : BROKER_SOCKET;
+	const char *text = getenv(WAIT_ENV);
+	long seconds = 0;
+	const char *p;
+
+	if (!text)
+		return WAIT_SECONDS;
+	for (p = text; *p >= '0' && *p <= '9' && seconds <= WAIT_MOST; p++)
+		seconds = seconds * 10 + (*p - '0');
+	if (p == text || *p || seconds > WAIT_MOST)
+		fail("%s must be a whole number of seconds from 0 to %d, got '%.20s'", WAIT_ENV,
+		     WAIT_MOST, text);
+	return seconds;
+}
+
+static long long now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void sleep_ms(long long ms)
+{
+	struct timespec ts = { .tv_sec = (time_t)(ms / 1000),
+			       .tv_nsec = (long)(ms % 1000) * 1000000 };
+
+	while (nanosleep(&ts, &ts) == -1 && errno == EINTR)
+		;
+}
+
+/* Whether the socket's directory is there: Allocate binds it in broker mode only, and
+ * it outlives the broker (a hostPath that the broker never removes), so without it
+ * there is nothing to wait for. */
+static int socket_dir_exists(const char *path)
+{
+	char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
+	char *slash;
+	struct stat st;
+
+	strcpy(dir, path);
+	slash = strrchr(dir, '/');
+	if (!slash)
+		strcpy(dir, ".");
+	else if (slash == dir)
+		dir[1] = '\0';
+	else
+		*slash = '\0';
+	return stat(dir, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+_Noreturn static void unreachable(const char *path, const char *why)
+{
+	fail("cannot reach the FUSE mount broker at %s: %s (broker mode needs the broker "
+	     "running on this node and the pod's github.com/fuse allocation)", path, why);
+}
+
+enum attempt { ANSWERED, NOT_LISTENING, NOT_READ };
+
+/*
+ * One connection, one request, one reply. NOT_LISTENING (the socket is missing while its
+ * directory is there, or nobody listens on it: errno says which) and NOT_READ (the broker
+ * went away without reading the request) are the two outcomes that leave the request
+ * untouched, so it may be sent again. The kernel tells NOT_READ apart: a unix socket
+ * closed with the request still in its queue, or never accepted, resets its peer
+ * (ECONNRESET), and a send that failed put nothing in it. A connection closed after
+ * the broker read the request (EOF) is not tried again: the mount may have been made.
+ */
+static enum attempt try_broker(const char *path, const char *request, size_t len,
+			       char *reply, size_t *reply_len)
+{
 	struct sockaddr_un addr = { .sun_family = AF_UNIX };
 	struct timeval timeout = { .tv_sec = REPLY_TIMEOUT_SECONDS };
+	int sock, sent, err;
 	ssize_t n;
-	int sock;
 
-	if (strlen(path) >= sizeof(addr.sun_path))
-		fail("broker socket path too long: %s", path);
 	strcpy(addr.sun_path, path);
 	sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
 	if (sock == -1)
 		fail("socket: %s", strerror(errno));
-	if (connect(sock, (struct sockaddr *)&addr, sizeof(addr)) == -1)
-		fail("cannot reach the FUSE mount broker at %s: %s (broker mode needs the "
-		     "broker running on this node and the pod's github.com/fuse allocation)",
-		     path, strerror(errno));
+	if (connect(sock, (struct sockaddr *)&addr, sizeof(addr)) == -1) {
+		err = errno;
+		close(sock);
+		if (err == ECONNREFUSED || (err == ENOENT && socket_dir_exists(path))) {
+			errno = err;
+			return NOT_LISTENING;
+		}
+		unreachable(path, strerror(err));
+	}
 	setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
 	/* A broker that refuses at once (busy) has answered and closed before the request
 	 * arrives: the send fails, and the answer is still there to read. */
-	if (send(sock, request, len, MSG_NOSIGNAL) != (ssize_t)len && errno != EPIPE)
+	sent = send(sock, request, len, MSG_NOSIGNAL) == (ssize_t)len;
+	if (!sent && errno != EPIPE && errno != ECONNRESET)
 		fail("sending to the FUSE mount broker: %s", strerror(errno));
 	n = recv(sock, reply, MAX_MESSAGE - 1, 0);
+	err = errno;
+	close(sock);
+	if ((n == -1 && err == ECONNRESET) || (n == 0 && !sent))
+		return NOT_READ;
 	if (n <= 0)
 		fail("the FUSE mount broker %s", n == 0 ? "closed the connection (restarting?)"
-						       : strerror(errno));
+						       : strerror(err));
 	reply[n] = '\0';
 	*reply_len = (size_t)n;
-	close(sock);
+	return ANSWERED;
+}
+
+/*
+ * One request, one reply (text only). A broker that is not there, or went away before
+ * reading the request, is waited for (said once), with a short backoff, up to the wait;
+ * then the error is the one it would have been at once.
+ */
+static void ask_broker(const char *request, size_t len, char *reply, size_t *reply_len)
+{
+	const char *path = getenv(SOCKET_ENV) ? getenv(SOCKET_ENV) : BROKER_SOCKET;
+	long seconds = wait_seconds();
+	long long deadline = 0, pause = BACKOFF_FIRST_MS, left;
+	int waiting = 0;
+	enum attempt outcome;
+
+	if (strlen(path) >= sizeof(((struct sockaddr_un *)0)->sun_path))
+		fail("broker socket path too long: %s", path);
+	while ((outcome = try_broker(path, request, len, reply, reply_len)) != ANSWERED) {
+		const char *why = outcome == NOT_READ ? "it closed the connection unread"
+						      : strerror(errno);
+		if (!waiting) {
+			waiting = 1;
+			deadline = now_ms() + seconds * 1000;
+			if (seconds && !quiet)
+				fprintf(stderr, "%s: the FUSE mount broker at %s is not answering "
+					"(%s); waiting up to %ld s for it to restart\n", progname,
+					path, why, seconds);
+		}
+		left = deadline - now_ms();
+		if (left <= 0) {
+			if (outcome == NOT_READ)
+				fail("the FUSE mount broker at %s closed the connection before reading "
+				     "the request (restarting?)", path);
+			unreachable(path, why);
+		}
+		sleep_ms(pause < left ? pause : left);
+		pause = pause * 2 < BACKOFF_MOST_MS ? pause * 2 : BACKOFF_MOST_MS;
+	}
 }
 
 /* Sends the request and exits with the broker's message unless it says ok. */
