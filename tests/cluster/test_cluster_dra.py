@@ -25,6 +25,7 @@ from tests.cluster.cluster import APISERVER_PORT, NODE_NAME, Api, Cluster, Kubec
 from tests.cluster.kube import (
     APPLY,
     EXAMPLES_NS,
+    MANIFESTS,
     PLUGIN_NS,
     RESOURCE,
     daemonset_pod,
@@ -356,3 +357,242 @@ def test_broker_mode_claim_mounts_at_restricted(
         assert binds, proof
     finally:
         delete_pod(kubectl, api, CLAIM_NS, CLAIM_POD)
+
+
+# ---------------------------------------------------------------- README pods under DRA
+
+
+def broker_and_driver(kubectl: Kubectl, api: Api, overlay: Path,
+                      images: dict[str, str]) -> None:
+    """`components: [../manifests/broker, ../manifests/dra]`, as docs/dra.md says, rolled
+    out (a no-op when it is there)."""
+    kubectl(*APPLY, "-k", str(driver_overlay(overlay, images["PLUGIN_IMAGE"],
+                                             ("broker", "dra"))))
+    for ds in ("fuse-mount-broker", DRIVER_DS):
+        rollout(kubectl, ds)
+
+
+@pytest.mark.parametrize("which", ["baseline", "restricted", "userns"])
+def test_readme_broker_pods_run_unchanged_under_dra(
+    which: str, *, dra_deployed: dict[str, Any], servers: Servers, kubectl: Kubectl,
+    api: Api, overlay: Path, images: dict[str, str], tmp_path: Path
+) -> None:
+    """The broker-mode pods of README.md and manifests/broker/examples/, applied unchanged
+    (their one FUSE line is `github.com/fuse: 1`) on a node that runs the broker and the
+    DRA driver instead of the device plugin: the scheduler makes each a claim through the
+    DeviceClass, the driver prepares it in the node's mode (broker: the shim and socket
+    binds), and the pod mounts sshfs through the broker at its Pod Security level, as
+    root at baseline, as uid 1000 at restricted, and in its own user namespace."""
+    from tests.cluster.test_cluster_broker import (
+        BASELINE,
+        RESTRICTED,
+        USERNS,
+        round_trip,
+        userns_overlay,
+        wait_example_mounted,
+    )
+
+    broker_and_driver(kubectl, api, overlay, images)
+    example = {"baseline": BASELINE, "restricted": RESTRICTED, "userns": USERNS}[which]
+    before = set(claim_specs())
+    if which == "userns":
+        kubectl(*APPLY, "-f", str(MANIFESTS / "broker" / "examples" / USERNS.namespace_file))
+        applied, _, _ = userns_overlay(tmp_path, servers, images, as_root=False)
+        kubectl(*APPLY, "-k", str(applied))
+    else:
+        example.apply(kubectl, tmp_path, servers, images)
+    try:
+        mount = wait_example_mounted(kubectl, api, example)
+        [pod] = [p for p in api.pods(example.namespace)
+                 if p["metadata"]["name"] == example.name]
+        read, back = round_trip(kubectl, example, "/mnt/remote", f"dra-{which}")
+        specs = [json.loads(f.read_text()) for f in sorted(set(claim_specs()) - before)]
+        binds = [m["containerPath"] for sp in specs for d in sp.get("devices", [])
+                 for m in d.get("containerEdits", {}).get("mounts", [])]
+        modes = [sp.get("annotations", {}).get(f"{DRIVER}/mode") for sp in specs]
+        proof = evidence(f"dra-readme-{which}", pod_summary(pod),
+                         f"level {example.level}, hostUsers "
+                         f"{pod['spec'].get('hostUsers', True)}, extendedResourceClaimStatus "
+                         f"{json.dumps(pod['status'].get('extendedResourceClaimStatus'))}",
+                         f"claim modes {modes}, CDI binds {binds}", mount, read, back)
+        assert pod["status"].get("extendedResourceClaimStatus"), proof
+        assert modes == ["broker"], proof
+        assert "/run/fuse-broker" in binds, proof
+    finally:
+        if which == "userns":  # its Secret is the restricted example's, kept
+            delete_pod(kubectl, api, example.namespace, example.name)
+        else:
+            example.delete(kubectl, api)
+
+
+# ---------------------------------------------------------------- the guard
+
+
+def as_driver(token: str, method: str, path: str,
+              body: dict[str, Any] | None = None) -> tuple[int, str]:
+    """One request to the API server with the driver's token: (status, message)."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from tests.cluster.cluster import SERVER
+
+    ca = Path("/run/fuse-device-plugin-cluster/pki/ca.crt")
+    req = urllib.request.Request(SERVER + path, method=method,
+                                 data=json.dumps(body).encode() if body else None,
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, context=ssl.create_default_context(cafile=str(ca)),
+                                    timeout=10) as answer:
+            return answer.status, ""
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}").get("message", "")
+
+
+def a_slice(name: str, node: str, driver: str = DRIVER) -> dict[str, Any]:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": name},
+            "spec": {"driver": driver, "nodeName": node,
+                     "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                     "devices": []}}
+
+
+SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
+
+
+def test_the_drivers_token_writes_only_its_own_nodes_slices_of_its_own_driver(
+    *, dra_deployed: dict[str, Any], kubectl: Kubectl, api: Api
+) -> None:
+    """With the token the kubelet gives the driver's pod (bound to the pod, so naming the
+    node), the API server refuses creating, updating or deleting a slice of another node,
+    and creating a slice of another driver on its own node; the driver's own slice still
+    updates."""
+    pod = daemonset_pod(api, PLUGIN_NS, DRIVER_SELECTOR)
+    token = kubectl("-n", PLUGIN_NS, "create", "token", DRIVER_DS, "--bound-object-kind",
+                    "Pod", "--bound-object-name", pod["metadata"]["name"],
+                    "--bound-object-uid", pod["metadata"]["uid"]).strip()
+    other = "fdp-other-node"
+    foreign = f"{other}-{DRIVER}"
+    api.request("POST", SLICES_PATH, a_slice(foreign, other))
+    try:
+        stored = api.get(f"{SLICES_PATH}/{foreign}")
+        moved = {**stored, "spec": {**stored["spec"], "devices": [{"name": "forged"}]}}
+        [own] = slices(api)
+        tries = {
+            "create another node's": as_driver(token, "POST", SLICES_PATH,
+                                               a_slice(f"{other}-x", other)),
+            "update another node's": as_driver(token, "PUT", f"{SLICES_PATH}/{foreign}",
+                                               moved),
+            "move another node's onto its own": as_driver(
+                token, "PUT", f"{SLICES_PATH}/{foreign}",
+                {**stored, "spec": {**stored["spec"], "nodeName": NODE_NAME}}),
+            "delete another node's": as_driver(token, "DELETE", f"{SLICES_PATH}/{foreign}"),
+            "create another driver's on its own node": as_driver(
+                token, "POST", SLICES_PATH, a_slice(f"{NODE_NAME}-gpu", NODE_NAME,
+                                                    "gpu.example.com")),
+            "update its own": as_driver(token, "PUT", f"{SLICES_PATH}/{own['metadata']['name']}",
+                                        own),
+        }
+        proof = evidence("dra-guard", *(f"{what}: {code} {message}"
+                                        for what, (code, message) in tries.items()))
+        for what, (code, _) in tries.items():
+            assert code == (200 if what == "update its own" else 403), proof
+        assert "may write only that node's" in tries["update another node's"][1], proof
+        assert "only ResourceSlices of" in \
+            tries["create another driver's on its own node"][1], proof
+        assert api.get(f"{SLICES_PATH}/{foreign}")["spec"]["devices"] == [], proof
+    finally:
+        api.request("DELETE", f"{SLICES_PATH}/{foreign}")
+
+
+# ---------------------------------------------------------------- the slice, watched
+
+
+def test_a_deleted_slice_is_back_within_seconds(
+    *, dra_deployed: dict[str, Any], kubectl: Kubectl, api: Api
+) -> None:
+    """An admin (or the kubelet) deletes the driver's slice: its watch sees it and the
+    driver writes it again, long before any resync."""
+    import time
+
+    [own] = slices(api)
+    start = time.monotonic()
+    api.request("DELETE", f"{SLICES_PATH}/{own['metadata']['name']}")
+    back = wait_for(lambda: [s for s in slices(api)
+                             if s["metadata"]["uid"] != own["metadata"]["uid"]] or None,
+                    30, "the slice to be written again", detail=lambda: driver_log(kubectl, api))
+    evidence("dra-slice-watch", f"deleted {own['metadata']['name']}; back as uid "
+             f"{back[0]['metadata']['uid']} after {time.monotonic() - start:.2f}s",
+             *[ln for ln in driver_log(kubectl, api, 10).splitlines() if "slice." in ln])
+
+
+# ---------------------------------------------------------------- SIGKILL
+
+
+def driver_pids() -> list[int]:
+    """The node's `fuse-device-plugin dra` processes (the driver containers')."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"dra" in argv and any(a.endswith(b"fuse-device-plugin") for a in argv[:2]):
+            found.append(int(proc.name))
+    return found
+
+
+def test_a_sigkilled_driver_keeps_prepared_claims_and_removes_orphans(
+    *, dra_deployed: dict[str, Any], kubectl: Kubectl, api: Api, images: dict[str, str]
+) -> None:
+    """The driver SIGKILLed while a pod it prepared runs, with an orphaned spec (its claim
+    long gone) and a half-written temp file on the node: the kubelet restarts the
+    container; the running pod's spec is kept, the orphan and the temp file are removed,
+    and deleting the pod still unprepares its claim."""
+    import os
+    import signal
+
+    name = "before-sigkill"
+    apply_fuse_pod(kubectl, name, images, 0)
+    try:
+        wait_ready(api, DRA_NS, name)
+        live = set(claim_specs())
+        ghost_uid = str(uuid.uuid4())
+        orphan = CDI_DIR / f"{DRIVER}-fuse_{ghost_uid}.json"
+        orphan.write_text(json.dumps({
+            "cdiVersion": "0.6.0", "kind": f"{DRIVER}/fuse",
+            "annotations": {f"{DRIVER}/claim": f"{DRA_NS}/ghost-claim",
+                            f"{DRIVER}/mode": "direct", f"{DRIVER}/devices": "[]"},
+            "devices": [{"name": ghost_uid, "containerEdits": {"deviceNodes": [
+                {"path": "/dev/fuse", "hostPath": "/dev/fuse", "type": "c", "major": 10,
+                 "minor": 229}]}}]}))
+        leftover = CDI_DIR / f".{DRIVER}-fuse_{uuid.uuid4()}.json.k1ll3d.tmp"
+        leftover.write_text("{")
+        old = daemonset_pod(api, PLUGIN_NS, DRIVER_SELECTOR)
+        restarts = old["status"]["containerStatuses"][0]["restartCount"]
+        pids = driver_pids()
+        assert pids, "no driver process found on the node"
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: daemonset_pod(api, PLUGIN_NS, DRIVER_SELECTOR)["status"][
+            "containerStatuses"][0]["restartCount"] > restarts or None, 120,
+            "the kubelet to restart the driver's container")
+        wait_for(lambda: (not orphan.exists() and not leftover.exists()) or None, 60,
+                 "the orphan and the temp file to be removed",
+                 detail=lambda: driver_log(kubectl, api))
+        kept = live <= set(claim_specs())
+        still = exec_in(kubectl, DRA_NS, name, "(exec 3<>/dev/fuse) && echo still opens")
+        lines = [ln for ln in driver_log(kubectl, api, -1).splitlines()
+                 if "claims.found" in ln or "orphan" in ln or "leftover" in ln]
+        proof = evidence("dra-sigkill", f"killed {pids}; live specs kept: {kept}",
+                         f"orphan removed: {not orphan.exists()}, temp file removed: "
+                         f"{not leftover.exists()}", f"{name}: {still}", *lines)
+        assert kept, proof
+        assert "still opens" in still, proof
+    finally:
+        delete_pod(kubectl, api, DRA_NS, name)
+    wait_for(lambda: not (live & set(claim_specs())) or None, 60,
+             "the pod's claim to be unprepared by the restarted driver")

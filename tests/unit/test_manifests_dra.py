@@ -96,7 +96,8 @@ def test_component_replaces_the_device_plugin_with_the_driver(
     assert objects[("DaemonSet", "fuse-dra-driver")]["spec"]["template"]["spec"][
         "containers"][0]["image"] == f"fuse-device-plugin:{__version__}"
     # Cluster-scoped objects get no namespace from the kustomization.
-    for kind in ("DeviceClass", "ClusterRole", "ClusterRoleBinding"):
+    for kind in ("DeviceClass", "ClusterRole", "ClusterRoleBinding",
+                 "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"):
         (doc,) = [d for (k, _), d in objects.items() if k == kind]
         assert "namespace" not in doc["metadata"], kind
     binding = objects[("ClusterRoleBinding", "fuse-dra-driver")]
@@ -112,6 +113,7 @@ def test_rbac_is_exactly_what_the_driver_calls() -> None:
     assert granted == {
         ("resource.k8s.io", "resourceclaims", "get"),      # claims.ApiClaims.get
         ("resource.k8s.io", "resourceslices", "list"),     # slices: list_slices
+        ("resource.k8s.io", "resourceslices", "watch"),    # watch
         ("resource.k8s.io", "resourceslices", "create"),   # create
         ("resource.k8s.io", "resourceslices", "update"),   # replace
         ("resource.k8s.io", "resourceslices", "delete"),   # delete
@@ -162,13 +164,43 @@ def test_daemonset_flags_parse_and_mounts_cover_every_path_the_driver_uses() -> 
     assert not spec.get("hostPID")
 
 
-def test_network_policy_closes_ingress_to_the_driver() -> None:
+def test_network_policy_admits_only_metrics_readers_to_the_probe_port() -> None:
     policy = one(DRA / "network-policy.yaml", "NetworkPolicy")
     selected = policy["spec"]["podSelector"]["matchLabels"]
     labels = DAEMONSET["spec"]["template"]["metadata"]["labels"]
     assert selected.items() <= labels.items()
     assert policy["spec"]["policyTypes"] == ["Ingress"]
-    assert "ingress" not in policy["spec"]  # none allowed
+    (rule,) = policy["spec"]["ingress"]
+    (driver,) = containers(DAEMONSET)
+    assert rule["ports"] == [{"protocol": "TCP",
+                              "port": parsed_args(driver).probe_port}]
+    main = one(MANIFESTS / "network-policy.yaml", "NetworkPolicy")
+    assert rule["from"] == main["spec"]["ingress"][0]["from"]
+
+
+def guard() -> tuple[Doc, Doc]:
+    return (one(DRA / "admission-policy.yaml", "ValidatingAdmissionPolicy"),
+            one(DRA / "admission-policy.yaml", "ValidatingAdmissionPolicyBinding"))
+
+
+def test_admission_policy_guards_every_slice_write_of_the_drivers_account() -> None:
+    """What the CEL says is proven against the API server in the cluster stage
+    (test_cluster_dra); here: it covers every write, binds with Deny, matches the
+    service account of rbac.yaml, and names the driver the DaemonSet runs."""
+    policy, binding = guard()
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["resourceslices"]
+    assert sorted(rule["operations"]) == ["CREATE", "DELETE", "UPDATE"]
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    account = one(DRA / "rbac.yaml", "ServiceAccount")["metadata"]["name"]
+    (match,) = policy["spec"]["matchConditions"]
+    assert f'endsWith(":{account}")' in match["expression"]
+    text = " ".join(v["expression"] for v in policy["spec"]["validations"])
+    assert f'"{DRIVER_NAME}"' in text
+    assert "authentication.kubernetes.io/node-name" in " ".join(
+        v["expression"] for v in policy["spec"]["variables"])
 
 
 def test_device_class_selects_the_driver_and_serves_the_resource_name() -> None:
