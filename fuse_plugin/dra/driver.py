@@ -31,7 +31,13 @@ from fuse_plugin.devices import DeviceState, Health, Prober, probe
 from fuse_plugin.dra.claims import ClaimSource
 from fuse_plugin.dra.metrics import DraStats, State, exposition
 from fuse_plugin.dra.prepare import Preparer
-from fuse_plugin.dra.service import DraServicer, Registered, RegistrationServicer, Sockets
+from fuse_plugin.dra.service import (
+    DraServicer,
+    Registered,
+    RegistrationServicer,
+    Sockets,
+    clear_other_instances,
+)
 from fuse_plugin.dra.settings import DraSettings
 from fuse_plugin.dra.slices import ApiFailure, Publisher, SliceApi
 from fuse_plugin.errors import Failure
@@ -226,6 +232,11 @@ def assembled(settings: DraSettings, log: logging.Logger, claims: ClaimSource,
             threading.Thread(target=driver.watch_slices, args=(slices,), name="slice-watch",
                              daemon=True).start()
             stack.callback(driver.stop)
+        clear_other_instances(
+            [(settings.registry_dir, f"{settings.driver_name}-reg.sock"),
+             (settings.registry_dir, f"{settings.driver_name}-*-reg.sock"),
+             (settings.service_socket.parent, "dra*.sock")],
+            {settings.service_socket, settings.registration_socket}, log)
         sockets.start()
         stack.callback(sockets.stop)
         if settings.probe_port:

@@ -155,6 +155,10 @@ def _clear_stale(path: Path, log: logging.Logger) -> None:
     if sockets.serving(path):
         raise Failure(f"another process serves {path}: is a second driver running on this "
                       "node?")
+    _remove(path, log)
+
+
+def _remove(path: Path, log: logging.Logger) -> None:
     try:
         path.unlink()
     except FileNotFoundError:
@@ -162,6 +166,17 @@ def _clear_stale(path: Path, log: logging.Logger) -> None:
     except OSError as err:
         raise Failure(f"cannot remove the stale socket {path}: {err.strerror}") from None
     logs.event(log, "socket.stale_removed", socket=str(path))
+
+
+def clear_other_instances(patterns: list[tuple[Path, str]], own: set[Path],
+                          log: logging.Logger) -> None:
+    """Remove the sockets earlier pods of this driver left under their own names (a pod
+    killed in a rolling update never removes them); a socket a live process serves (the
+    old pod of a rolling update, still draining) is left alone."""
+    for directory, pattern in patterns:
+        for path in sorted(directory.glob(pattern)):
+            if path not in own and not sockets.serving(path):
+                _remove(path, log)
 
 
 class Sockets:

@@ -51,6 +51,7 @@ class DraSettings:
     sharing: str = "auto"
     resync_seconds: int = DEFAULT_RESYNC
     publish: bool = True
+    instance: str = ""
     probe_port: int = 0
     probe_address: str = "0.0.0.0"
     log_format: str = "text"
@@ -58,13 +59,18 @@ class DraSettings:
 
     @property
     def service_socket(self) -> Path:
-        """The DRA service's socket: the directory the kubelet's docs give drivers."""
-        return self.plugins_dir / self.driver_name / "dra.sock"
+        """The DRA service's socket: the directory the kubelet's docs give drivers, named
+        per instance so that two pods of a rolling update each have their own."""
+        name = f"dra-{self.instance}.sock" if self.instance else "dra.sock"
+        return self.plugins_dir / self.driver_name / name
 
     @property
     def registration_socket(self) -> Path:
-        """Where the kubelet's plugin watcher finds us (it scans this directory)."""
-        return self.registry_dir / f"{self.driver_name}-reg.sock"
+        """Where the kubelet's plugin watcher finds us (it scans this directory). The
+        kubelet (1.33+) keeps two registrations of one driver under distinct socket names
+        and uses the newer, so a new pod serves before the old one stops."""
+        tag = f"-{self.instance}" if self.instance else ""
+        return self.registry_dir / f"{self.driver_name}{tag}-reg.sock"
 
 
 def driver_name(text: str) -> str:
@@ -81,6 +87,18 @@ def node_name(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{args.shown(text)} is not a node name (a lowercase DNS subdomain); the "
             "DaemonSet sets it from spec.nodeName")
+    return text
+
+
+_INSTANCE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def instance(text: str) -> str:
+    """A pod's name (a DNS label), or empty."""
+    if text and not _INSTANCE.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{args.shown(text)} is not an instance name (a lowercase DNS label of at most "
+            "63 characters); the DaemonSet sets it from metadata.name")
     return text
 
 
@@ -104,6 +122,9 @@ FLAGS: tuple[tuple[str, args.Parse, str], ...] = (
     ("--resync-seconds", args.count(1, 3600),
      "how often the ResourceSlice is checked against the API server besides its watch"),
     ("--publish", args.boolean, "publish the ResourceSlice (false: only serve the kubelet)"),
+    ("--instance", instance,
+     "this pod's name (the DaemonSet passes metadata.name): the sockets are named with it, "
+     "so a new pod registers beside the old one in a rolling update; empty: one fixed name"),
     ("--probe-port", args.port,
      "serve /healthz, /readyz and /metrics on this port; 0 turns it off"),
     ("--probe-address", args.address, "address the probe port binds to"),

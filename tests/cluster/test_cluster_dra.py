@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -596,3 +597,55 @@ def test_a_sigkilled_driver_keeps_prepared_claims_and_removes_orphans(
         delete_pod(kubectl, api, DRA_NS, name)
     wait_for(lambda: not (live & set(claim_specs())) or None, 60,
              "the pod's claim to be unprepared by the restarted driver")
+
+
+# ---------------------------------------------------------------- rollout
+
+
+def test_driver_rollout_serves_every_new_pod_without_waiting_for_registration(
+    *, dra_deployed: dict[str, Any], kubectl: Kubectl, api: Api, images: dict[str, str]
+) -> None:
+    """`kubectl rollout restart` of the driver while a new FUSE pod is created every
+    second: the new driver pod registers beside the old one (its own socket names,
+    maxSurge), so every pod is prepared and Ready, none with a
+    FailedPrepareDynamicResources event."""
+    import time
+
+    old = daemonset_pod(api, PLUGIN_NS, DRIVER_SELECTOR)
+    kubectl("-n", PLUGIN_NS, "rollout", "restart", f"daemonset/{DRIVER_DS}")
+    start = time.monotonic()
+    made: list[str] = []
+    done = None
+    while done is None or len(made) < done + 3:
+        name = f"rollout-{len(made)}"
+        apply_fuse_pod(kubectl, name, images, 0)
+        made.append(name)
+        pods = api.pods(PLUGIN_NS, DRIVER_SELECTOR)
+        if done is None and all(p["metadata"]["uid"] != old["metadata"]["uid"]
+                                for p in pods) and len(pods) == 1:
+            done = len(made)
+        assert time.monotonic() - start < 240, "the rollout did not end"
+        threading.Event().wait(1.0)  # the pace of new pods, not a synchronisation
+    rolled = time.monotonic() - start
+    try:
+        waits = []
+        for name in made:
+            ready = wait_ready(api, DRA_NS, name)
+            created = ready["metadata"]["creationTimestamp"]
+            waits.append((name, created, [c.get("lastTransitionTime") for c in
+                                          ready["status"]["conditions"]
+                                          if c["type"] == "Ready"]))
+        failed = [e for name in made for e in api.events(DRA_NS, name)
+                  if e.get("reason") == "FailedPrepareDynamicResources"]
+        proof = evidence("dra-rollout", f"rollout restart: {len(made)} pods made over "
+                         f"{rolled:.1f}s, the old driver gone after pod {done}",
+                         *(f"{n}: created {c}, ready {r}" for n, c, r in waits),
+                         f"FailedPrepareDynamicResources events: {len(failed)}",
+                         *(e.get("message", "") for e in failed[:3]))
+        assert failed == [], proof
+    finally:
+        for name in made:
+            kubectl("-n", DRA_NS, "delete", "pod", name, "--ignore-not-found",
+                    "--grace-period=1", "--wait=false")
+        wait_for(lambda: not {p["metadata"]["name"] for p in api.pods(DRA_NS)} & set(made)
+                 or None, 120, "the rollout's pods to be gone")

@@ -38,6 +38,7 @@ def run_command(*flags: str, env: dict[str, str] | None = None
     (("--node-name", "n", "--sharing", "maybe"), {}, "must be one of auto, shared, counted"),
     (("--node-name", "n", "--plugins-dir", "/" + "p" * 120), {}, "use a shorter --plugins-dir"),
     ((), {"FUSE_DEVICE_PLUGIN_NODE_NAME": "bad name"}, "FUSE_DEVICE_PLUGIN_NODE_NAME"),
+    (("--node-name", "n", "--instance", "Pod_1"), {}, "is not an instance name"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(flags: tuple[str, ...], env: dict[str, str],
                                            complaint: str) -> None:

@@ -304,3 +304,30 @@ def test_metrics_count_claims_by_outcome_and_the_claims_on_the_node(
         lines = set(probe(port, "/metrics")[1].splitlines())
         assert 'fuse_dra_claims_prepared 0.0' in lines
         assert 'fuse_dra_unprepare_claims_total{outcome="unprepared"} 1.0' in lines
+
+
+# -- instances side by side (a rolling update) ----------------------------------------
+
+
+def test_two_instances_serve_side_by_side_and_a_killed_ones_sockets_are_removed(
+        api: FakeApiServer, root: Path) -> None:
+    """A rolling update's new pod (--instance from the pod's name) binds sockets of its
+    own while the old pod still serves; the sockets a killed pod left under its name are
+    removed at start, the live pod's are not."""
+    import socket
+
+    with running_driver(api, publish=False, root=root, instance="driver-old") as old:
+        dead = settings_in(root, instance="driver-dead")
+        for path in (dead.registration_socket, dead.service_socket):
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.bind(str(path))  # bound, never listened: nobody serves it
+        with running_driver(api, publish=False, root=root, instance="driver-new") as new:
+            assert old.settings.registration_socket != new.settings.registration_socket
+            assert old.kubelet.get_info().endpoint == str(old.settings.service_socket)
+            assert new.kubelet.get_info().endpoint == str(new.settings.service_socket)
+            assert not dead.registration_socket.exists()
+            assert not dead.service_socket.exists()
+            c = add_claim(api, "during-rollout")
+            assert new.kubelet.prepare(c).claims[c[2]].error == ""
+            assert old.kubelet.unprepare(c).claims[c[2]].error == ""
+        assert old.settings.registration_socket.exists()

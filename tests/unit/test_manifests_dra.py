@@ -139,6 +139,11 @@ def test_daemonset_flags_parse_and_mounts_cover_every_path_the_driver_uses() -> 
     env = {e["name"]: e for e in driver["env"]}
     assert env[env_name("--node-name")]["valueFrom"]["fieldRef"]["fieldPath"] == \
         "spec.nodeName"
+    # A rolling update starts the new pod beside the old one, under its own socket names.
+    assert env[env_name("--instance")]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.name"
+    assert DAEMONSET["spec"]["updateStrategy"]["rollingUpdate"] == {
+        "maxSurge": 1, "maxUnavailable": 0}
     defaults = DraSettings()
     assert (defaults.plugins_dir / DRIVER_NAME) == defaults.service_socket.parent
     mounts = {m["mountPath"]: m for m in driver["volumeMounts"]}
