@@ -15,9 +15,11 @@ DaemonSet's flags and the kubelet stand-in, measured the same way.
 Figures (no targets: the device plugin's are in bench/README.md): process start to
 answering (GetInfo; Register for ``serve``); NodePrepareResources of one claim (a GET
 from the API server, a CDI spec written and synced) and NodeUnprepareResources, in both
-modes, against ``serve``'s Allocate; RSS after start and after the calls; idle CPU and
-wake-ups per second of both, side by side. Prints a table, writes JSON
-(``bench/results/dra.json`` or ``--out``).
+modes, against ``serve``'s Allocate; a repeated prepare of claims already prepared,
+answered from their records, warm and after a restart of the driver; RSS after start and
+after the calls; idle CPU and wake-ups per second of both, side by side, and the API
+requests the driver made while idle (per minute; its slice watch counts once). Prints a
+table, writes JSON (``bench/results/dra.json`` or ``--out``).
 """
 
 from __future__ import annotations
@@ -165,6 +167,39 @@ def prepare_pairs(api: FakeApiServer, endpoint: str, calls: int, mode: str
     return prepares, unprepares
 
 
+def held_claims(api: FakeApiServer, endpoint: str, calls: int) -> list[dra.Claim]:
+    """``calls`` claims prepared and kept, as a node's running pods hold theirs."""
+    held = []
+    with grpc.insecure_channel(f"unix://{endpoint}") as channel:
+        stub = dra_pb2_grpc.DRAPluginStub(channel)
+        for index in range(calls):
+            uid = str(uuid.uuid4())
+            name = f"held-{index}"
+            api.add_claim(claim("bench", name, uid, DRIVER_NAME))
+            one = dra.Claim(namespace="bench", name=name, uid=uid)
+            answer = stub.NodePrepareResources(
+                dra.NodePrepareResourcesRequest(claims=[one]), timeout=RPC_TIMEOUT)
+            if answer.claims[uid].error:
+                raise RuntimeError(f"prepare failed: {answer.claims[uid].error}")
+            held.append(one)
+    return held
+
+
+def prepare_again(endpoint: str, held: list[dra.Claim]) -> list[float]:
+    """Each held claim prepared once more (the kubelet's retry), timed."""
+    took = []
+    with grpc.insecure_channel(f"unix://{endpoint}") as channel:
+        stub = dra_pb2_grpc.DRAPluginStub(channel)
+        for one in held:
+            started = time.perf_counter()
+            answer = stub.NodePrepareResources(
+                dra.NodePrepareResourcesRequest(claims=[one]), timeout=RPC_TIMEOUT)
+            took.append(time.perf_counter() - started)
+            if answer.claims[one.uid].error:
+                raise RuntimeError(f"prepare again failed: {answer.claims[one.uid].error}")
+    return took
+
+
 def allocates(proc: Proc, calls: int) -> list[float]:
     took = []
     with channel_to(proc) as channel:
@@ -217,6 +252,8 @@ def measure(sizes: Sizes, flags: list[str], serve_flags: list[str]) -> dict[str,
             prepared, unprepared = prepare_pairs(api, info.endpoint, sizes.calls, mode)
             figures[f"prepare_{mode}"] = summary(prepared)
             figures[f"unprepare_{mode}"] = summary(unprepared)
+        held = held_claims(api, info.endpoint, sizes.calls)
+        figures["prepare_recorded"] = summary(prepare_again(info.endpoint, held))
         figures["dra_rss_after_calls_mib"] = rss_mib(proc)
         plugin_node = stack.enter_context(fake_node())
         plugin, _ = stack.enter_context(
@@ -227,9 +264,15 @@ def measure(sizes: Sizes, flags: list[str], serve_flags: list[str]) -> dict[str,
         figures["serve_allocate"] = summary(allocates(plugin, sizes.calls))
         figures["serve_rss_after_calls_mib"] = rss_mib(plugin)
         settle(proc, 1.0)
+        asked = len(api.requests)
         quiet = idle({"dra": proc, "serve": plugin}, sizes.idle_seconds)
         figures["dra_idle"] = quiet["dra"]
         figures["serve_idle"] = quiet["serve"]
+        figures["dra_api_requests_per_min_idle"] = round(
+            (len(api.requests) - asked) * 60 / sizes.idle_seconds, 2)
+        proc.stop()
+        with driver_running(node, api, flags) as (_, again, _):
+            figures["prepare_after_restart"] = summary(prepare_again(again.endpoint, held))
     return figures
 
 
@@ -243,6 +286,8 @@ def table(figures: dict[str, Any]) -> str:
     for mode in ("direct", "broker"):
         lines.append(f"{f'dra: NodePrepareResources, {mode}':44} {ms(f'prepare_{mode}')}")
         lines.append(f"{f'dra: NodeUnprepareResources, {mode}':44} {ms(f'unprepare_{mode}')}")
+    lines.append(f"{'dra: prepare again, from the record':44} {ms('prepare_recorded')}")
+    lines.append(f"{'dra: prepare again after a restart':44} {ms('prepare_after_restart')}")
     lines.append(f"{'serve: Allocate':44} {ms('serve_allocate')}")
     lines.append("")
     lines.append(f"{'RSS (MiB)':44} {'start':>8} {'after':>8}")
@@ -254,6 +299,8 @@ def table(figures: dict[str, Any]) -> str:
     for who in ("dra", "serve"):
         q = figures[f"{who}_idle"]
         lines.append(f"{who:44} {q['cpu_ms_per_s']:8.3f} {q['wakeups_per_s']:8.2f}")
+    lines.append(f"{'dra: API requests per minute, idle':44} "
+                 f"{figures['dra_api_requests_per_min_idle']:8.2f}")
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMINGS = ("dra_start", "prepare_direct", "unprepare_direct", "prepare_broker",
-           "unprepare_broker", "serve_allocate")
+           "unprepare_broker", "prepare_recorded", "prepare_after_restart", "serve_allocate")
 NUMBERS = ("dra_rss_start_mib", "dra_rss_after_calls_mib", "serve_rss_start_mib",
            "serve_rss_after_calls_mib")
 
@@ -35,3 +35,4 @@ def test_quick_dra_benchmark_reports_every_figure(tmp_path: Path) -> None:
     for who in ("dra_idle", "serve_idle"):
         assert figures[who]["threads"] >= 1
     assert "dra: NodePrepareResources, broker" in run.stdout
+    assert figures["dra_api_requests_per_min_idle"] >= 0
