@@ -56,3 +56,24 @@ def refusal(path: Path, kind: int = socket.SOCK_STREAM,
 
 def serving(path: Path, kind: int = socket.SOCK_STREAM) -> bool:
     return refusal(path, kind) is None
+
+
+class InUse(Exception):
+    """A process serves the socket: it is not ours to take."""
+
+
+def remove_stale(path: Path, kind: int = socket.SOCK_STREAM) -> bool:
+    """Take over ``path`` for a new bind: remove the socket file a killed process left
+    there. True when one was removed, False when there was none. Raises ``InUse`` when a
+    live process serves it (left alone: never take a running peer's socket) and
+    OSError when it cannot be removed. Each wing (plugin, broker, DRA driver) decides
+    what a live peer means for it: wait, or refuse to start."""
+    if not (path.exists() or path.is_symlink()):
+        return False
+    if serving(path, kind):
+        raise InUse(f"another process serves {path}")
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True

@@ -292,23 +292,20 @@ class Lifecycle:
         started = time.perf_counter()
         path = self.settings.socket_path
         self._stop_server()
-        if path.exists() or path.is_symlink():
-            if sockets.serving(path):
-                if not self._in_use_logged:
-                    logs.event(self._log, "socket.in_use", logging.WARNING, socket=str(path),
-                               reason="another process serves this socket; waiting")
-                    self._in_use_logged = True
-                self.status.last_error = f"another process serves {path}"
-                self._retry_later()
-                return
-            try:
-                path.unlink()
+        try:
+            if sockets.remove_stale(path):
                 logs.event(self._log, "socket.stale_removed", socket=str(path))
-            except FileNotFoundError:
-                pass
-            except OSError as err:
-                self._serve_failed(f"cannot remove stale {path}: {err.strerror}")
-                return
+        except sockets.InUse:
+            if not self._in_use_logged:
+                logs.event(self._log, "socket.in_use", logging.WARNING, socket=str(path),
+                           reason="another process serves this socket; waiting")
+                self._in_use_logged = True
+            self.status.last_error = f"another process serves {path}"
+            self._retry_later()
+            return
+        except OSError as err:
+            self._serve_failed(f"cannot remove stale {path}: {err.strerror}")
+            return
         server = grpc.server(self._executor, options=[("grpc.so_reuseport", 0)])
         add_to_server(self.servicer, server)
         try:

@@ -16,6 +16,7 @@ that another process serves is left alone and the start fails, saying so.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -149,23 +150,13 @@ class DraServicer(dra_pb2_grpc.DRAPluginServicer):
 
 
 def _clear_stale(path: Path, log: logging.Logger) -> None:
-    """Remove a socket a killed driver left; refuse to take one another process serves."""
-    if not (path.exists() or path.is_symlink()):
-        return
-    if sockets.serving(path):
-        raise Failure(f"another process serves {path}: is a second driver running on this "
-                      "node?")
-    _remove(path, log)
-
-
-def _remove(path: Path, log: logging.Logger) -> None:
+    """Remove a socket a killed driver left; ``sockets.InUse`` when a process serves it."""
     try:
-        path.unlink()
-    except FileNotFoundError:
-        return
+        removed = sockets.remove_stale(path)
     except OSError as err:
         raise Failure(f"cannot remove the stale socket {path}: {err.strerror}") from None
-    logs.event(log, "socket.stale_removed", socket=str(path))
+    if removed:
+        logs.event(log, "socket.stale_removed", socket=str(path))
 
 
 def clear_other_instances(patterns: list[tuple[Path, str]], own: set[Path],
@@ -175,8 +166,9 @@ def clear_other_instances(patterns: list[tuple[Path, str]], own: set[Path],
     old pod of a rolling update, still draining) is left alone."""
     for directory, pattern in patterns:
         for path in sorted(directory.glob(pattern)):
-            if path not in own and not sockets.serving(path):
-                _remove(path, log)
+            if path not in own:
+                with contextlib.suppress(sockets.InUse):
+                    _clear_stale(path, log)
 
 
 class Sockets:
@@ -202,7 +194,11 @@ class Sockets:
                 path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as err:
                 raise Failure(f"cannot create {path.parent}: {err.strerror}") from None
-            _clear_stale(path, self._log)
+            try:
+                _clear_stale(path, self._log)
+            except sockets.InUse:
+                raise Failure(f"another process serves {path}: is a second driver running "
+                              "on this node?") from None
             try:
                 self._server.add_insecure_port(f"unix://{path}")
             except RuntimeError:

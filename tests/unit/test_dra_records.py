@@ -90,7 +90,7 @@ def test_after_a_restart_a_prepared_claim_is_answered_from_its_record(
     before = len(claim_gets(api))
     with running_driver(api, publish=False, root=root) as rig:
         # The one read of the orphan check at start, then none for the prepare.
-        wait_for(lambda: len(claim_gets(api)) > before or None, 10, "the orphan check")
+        wait_for(lambda: len(claim_gets(api)) > before or None, 30, "the orphan check")
         settled = len(claim_gets(api))
         again = rig.kubelet.prepare((ns, name, uid))
         assert again == first
@@ -121,7 +121,7 @@ def test_orphans_and_leftovers_are_removed_at_start_and_live_claims_kept(
     with running_driver(api, publish=False, root=root) as rig:
         gone = wait_for(lambda: (not spec_path(rig, deleted[2]).exists()
                                  and not spec_path(rig, remade[2]).exists()) or None,
-                        10, "the orphans' specs to go",
+                        30, "the orphans' specs to go",
                         detail=lambda: str(sorted(p.name for p in cdi_dir.iterdir())))
         assert gone
         assert spec_path(rig, live[2]).exists()
@@ -137,7 +137,7 @@ def test_a_claim_that_cannot_be_read_at_start_is_kept(api: FakeApiServer,
         assert rig.kubelet.prepare(c).claims[c[2]].error == ""
     api.fail["GET claim"] = 503
     with running_driver(api, publish=False, root=root) as rig:
-        wait_for(lambda: claim_gets(api) or None, 10, "the orphan check to ask")
+        wait_for(lambda: claim_gets(api) or None, 30, "the orphan check to ask")
         assert rig.kubelet.prepare(c).claims[c[2]].error == ""  # from the record
         assert spec_path(rig, c[2]).exists()
 
@@ -266,19 +266,19 @@ def test_a_deleted_slice_is_put_back_by_the_watch(api: FakeApiServer) -> None:
     """Someone deletes the driver's slice (resync an hour away): the watch sees it and
     the slice is written again; an edit of its devices is undone the same way."""
     with running_driver(api) as rig:
-        wait_for(lambda: api.watches or None, 10, "the slice watch")
+        wait_for(lambda: api.watches or None, 30, "the slice watch")
         name = rig.driver.publisher.name if rig.driver.publisher else ""
         writes = len(api.writes)
         api.delete_slice(name)
         wait_for(lambda: any(verb == "create" for verb, _, _ in api.writes_since(writes + 1))
-                 or None, 10, "the slice to be created again",
+                 or None, 30, "the slice to be created again",
                  detail=lambda: str(api.writes_since(writes)))
         assert name in api.slices
         with api._cond:
             api.slices[name]["spec"]["devices"] = []
             api._record("update", name, api.slices[name])
         writes = len(api.writes)
-        wait_for(lambda: api.writes_since(writes) or None, 10, "the slice to be mended")
+        wait_for(lambda: api.writes_since(writes) or None, 30, "the slice to be mended")
         assert api.slices[name]["spec"]["devices"][0]["name"] == "fuse"
 
 
