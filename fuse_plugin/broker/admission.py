@@ -78,6 +78,14 @@ class Admission:
         if slot is not None:
             self._slots.discard(slot)
 
+    def unmounted(self, connection: int) -> None:
+        """The broker unmounted this connection's mount: its record counts no more once
+        the kernel has let the connection go, which is at once unless something pins
+        the mount (an open file: it still counts then, as the kernel still holds it).
+        Left to the periodic prune, a pod that unmounted and asks nothing more kept a
+        full node refusing its neighbours for up to ``server.PRUNE_EVERY``."""
+        self.records.settle(connection)
+
     def prune(self) -> None:
         """Check every record against the kernel (the loop does so now and then)."""
         self.records.prune()

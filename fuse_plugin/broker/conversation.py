@@ -37,6 +37,7 @@ class Conversation:
     watched: bool = False  # registered with the selector until its request arrives
     heard: int = 0  # the helper's reports taken so far
     slot: Slot | None = None  # a mount's place under the caps, from admission to its end
+    unmounting: int | None = None  # an unmount's FUSE connection, once judged
 
     @property
     def container(self) -> str:
@@ -92,6 +93,7 @@ class Conversation:
                            uid=who.uid, node_root=who.node_root,
                            mount_id=self.request.mount_id)
         self.fields["mount_id"] = found.mount_id
+        self.unmounting = found.connection
         return {"lazy": "1" if "lazy" in self.request.flags else "0"}
 
     def record(self, built: reports.Built, held: records.Records) -> records.Record:

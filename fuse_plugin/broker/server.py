@@ -537,6 +537,9 @@ class Broker:
 
     def _succeed(self, work: Conversation, done: Done) -> None:
         work.done(done)
+        if work.unmounting is not None:
+            self.admission.unmounted(work.unmounting)
+            self.mounts_held = self.records.by_container()
         self.stats.served(work.request.op)
         self._log(work, f"broker.{work.request.op}", logging.INFO)
         self._reply(work, status="ok", mount_id=done.mount_id)

@@ -35,7 +35,7 @@ from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.broker import server
 from tests.lib import broker as broker_rig
 from tests.lib import oci, profiles, workloads
-from tests.lib.broker import ATTACKER_IN_CONTAINER, BrokerProcess
+from tests.lib.broker import ATTACKER_IN_CONTAINER, BrokerProcess, attack
 
 MAX_MOUNTS, POD_SHARE, NODE_CAP = 2, 4, 8
 ROUNDS = 10
@@ -196,3 +196,34 @@ def test_mounts_in_flight_count_against_every_cap(
         wrong = [f"round {n}: {what}" for n in range(ROUNDS)
                  for what in over_the_caps(one_round(everyone))]
     assert not wrong, "\n".join(wrong)
+
+
+def test_a_mount_the_broker_unmounted_counts_no_more(
+        broker_dir: Path, tmp_path: Path,
+        broker_allocation: api.ContainerAllocateResponse) -> None:
+    """A full node, then one pod unmounts its mounts through the broker and asks nothing
+    more: the node's count falls at once, so a neighbour is served (the records of the
+    unmounted mounts were counted until the next periodic prune)."""
+    broker = BrokerProcess(broker_dir, tmp_path / "broker", broker_rig.shim(),
+                           "--max-mounts", "2", "--max-mounts-pod", "2",
+                           "--max-mounts-node", "4").start()
+    spec = oci.build_spec(oci.ContainerRequest(
+        args=workloads.HOLD, allocation=broker_allocation,
+        seccomp=profiles.runtime_default(), binds=[broker_rig.attacker_bind()]))
+    try:
+        with oci.Runc() as runc:
+            leaving, staying, newcomer = (runc.create(spec, name).start()
+                                          for name in ("leaving", "staying", "newcomer"))
+            for tenant in (leaving, staying):
+                taken = attack(tenant, "ask", "--fuse", "--repeat", "2", "--mkdir",
+                               "op=mount", "path=/mnt/u/{i}")
+                assert taken["counts"] == {"ok": 2}, taken
+            newcomer.sh("mkdir -p /mnt/n").check()
+            full = attack(newcomer, "ask", "--fuse", "op=mount", "path=/mnt/n")
+            assert "the node already holds 4 FUSE mounts" in full["message"], full
+            gone = attack(leaving, "ask", "--repeat", "2", "op=unmount", "path=/mnt/u/{i}")
+            assert gone["counts"] == {"ok": 2}, gone
+            served = attack(newcomer, "ask", "--fuse", "op=mount", "path=/mnt/n")
+            assert served["status"] == "ok", served
+    finally:
+        broker.stop()

@@ -144,6 +144,19 @@ def test_a_record_that_cannot_be_written_leaves_the_slot_until_the_request_ends(
     assert count.container(A) == 0
 
 
+def test_a_mount_the_broker_unmounted_counts_no_more_once_the_kernel_lets_it_go(
+        tmp_path: Path, kernel: Kernel) -> None:
+    count = counted(tmp_path, kernel)
+    pinned, gone = kernel.connect(), kernel.connect()
+    for connection in (pinned, gone):
+        count.commit(count.admit(A), kernel.record(connection, A))
+    kernel.end(gone)
+    count.unmounted(gone)
+    count.unmounted(pinned)  # lazily unmounted but held open: the kernel still holds it
+    count.unmounted(99)  # not the broker's: nothing
+    assert count.node() == 1  # counted without another check of the records
+
+
 def test_after_a_restart_only_the_records_count(tmp_path: Path, kernel: Kernel) -> None:
     """Slots die with the broker, as its requests in flight do."""
     count = counted(tmp_path, kernel)
@@ -324,3 +337,22 @@ def test_a_mount_done_turns_its_slot_into_its_record(loop: Broker, kernel: Kerne
     assert answer(theirs) == "ok"
     assert [s["go"] for s in job.sent] == [1, 1, 1]
     assert (loop.admission.in_flight, loop.admission.container(A)) == (0, 1)
+
+
+def test_an_unmount_done_counts_its_mount_no_more(loop: Broker, kernel: Kernel) -> None:
+    connection = kernel.connect()
+    loop.admission.commit(loop.admission.admit(A), kernel.record(connection, A))
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    work = Conversation(ours, callers.Caller(pid=1, uid=0, gid=0, pidfd=-1, container=A),
+                        time.monotonic() + 5)
+    work.parsed = protocol.Request(op="unmount", path="/mnt/x")
+    facts = {"status": "facts", "mount": "77", "fstype": "fuse", "dev": f"0:{connection}"}
+    work.job = cast("Job", StandInJob([MARK, facts, {"status": "ok", "mnt_id": "77"}],
+                                      time.monotonic() + 5))
+    loop._running[A] = work
+    loop._hear(work)
+    loop._hear(work)
+    kernel.end(connection)  # what the helper's umount2 did
+    loop._hear(work)
+    assert answer(theirs) == "ok"
+    assert (loop.admission.node(), loop.mounts_held) == (0, {})
