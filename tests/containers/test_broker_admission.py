@@ -15,6 +15,9 @@ over-asker's share. In every round no container, pod or the node holds more than
 cap (counted in the containers' mount tables, from the node), the over-asking pod is
 refused by the caps and still gets its share (no slot leaks from one round to the
 next), and every neighbour request is served.
+
+And a mount the broker unmounted leaves the node's count at once, not at the next
+periodic check of the records.
 """
 
 from __future__ import annotations
@@ -59,6 +62,13 @@ def capped(broker_dir: Path, tmp_path: Path) -> Iterator[BrokerProcess]:
         yield broker
     finally:
         broker.stop()
+
+
+def tenant_spec(allocation: api.ContainerAllocateResponse) -> oci.Spec:
+    """A broker-mode container with the toolkit, under the runtime-default rules."""
+    return oci.build_spec(oci.ContainerRequest(
+        args=workloads.HOLD, allocation=allocation, seccomp=profiles.runtime_default(),
+        binds=[broker_rig.attacker_bind()]))
 
 
 @dataclass
@@ -155,9 +165,10 @@ def one_round(everyone: list[Tenant]) -> list[tuple[Tenant, dict[str, Any], int]
 
 
 def over_the_caps(outcome: list[tuple[Tenant, dict[str, Any], int]]) -> list[str]:
-    """Every cap exceeded, every neighbour refused, every refusal of the greedy pod that
-    is not a cap's, and a greedy pod short of its share (a slot that was never given
-    back), in one round."""
+    """What went wrong in one round: every cap exceeded, every neighbour refused, every
+    refusal of the greedy pod that is not a cap's, a greedy pod never refused or short
+    of its share (a slot never given back), a container whose own count of its mounts
+    is not the node's, or mounts left from the round before."""
     wrong: list[str] = []
     pods: dict[str, int] = {}
     for tenant, tally, held in outcome:
@@ -165,9 +176,11 @@ def over_the_caps(outcome: list[tuple[Tenant, dict[str, Any], int]]) -> list[str
         pods[tenant.pod] = pods.get(tenant.pod, 0) + held
         if tally["before"]:
             wrong.append(f"{name} still held {tally['before']} mounts of the last round")
+        if tally["mounted"] != held:
+            wrong.append(f"{name} saw {tally['mounted']} mounts, the node {held}")
         if held > MAX_MOUNTS:
             wrong.append(f"{name} holds {held} mounts, past --max-mounts {MAX_MOUNTS}")
-        refusals = {m: n for m, n in tally["messages"].items()}
+        refusals: dict[str, int] = tally["messages"]
         if not tenant.greedy and tally["counts"] != {"ok": tenant.asks}:
             wrong.append(f"neighbour {name} was refused: {refusals}")
         if tenant.greedy and any("--max-mounts" not in m for m in refusals):
@@ -178,6 +191,8 @@ def over_the_caps(outcome: list[tuple[Tenant, dict[str, Any], int]]) -> list[str
     greedy = {t.pod for t, _, _ in outcome if t.greedy}
     if any(pods[p] != POD_SHARE for p in greedy):
         wrong.append(f"the greedy pod got {[pods[p] for p in greedy]}, not its share")
+    if not any(tally["messages"] for t, tally, _ in outcome if t.greedy):
+        wrong.append("the greedy pod was never refused")
     if sum(pods.values()) > NODE_CAP:
         wrong.append(f"the node holds {sum(pods.values())} mounts, past "
                      f"--max-mounts-node {NODE_CAP}")
@@ -188,9 +203,7 @@ def test_mounts_in_flight_count_against_every_cap(
         capped: BrokerProcess, broker_allocation: api.ContainerAllocateResponse) -> None:
     assert GREEDY[0] * GREEDY[1] <= server.PER_POD  # refused by the caps, never "busy"
     assert POD_SHARE + sum(n * asks for n, asks in NEIGHBOURS) == NODE_CAP
-    spec = oci.build_spec(oci.ContainerRequest(
-        args=workloads.HOLD, allocation=broker_allocation,
-        seccomp=profiles.runtime_default(), binds=[broker_rig.attacker_bind()]))
+    spec = tenant_spec(broker_allocation)
     with oci.Runc() as runc:
         everyone = tenants(runc, spec)
         wrong = [f"round {n}: {what}" for n in range(ROUNDS)
@@ -207,9 +220,7 @@ def test_a_mount_the_broker_unmounted_counts_no_more(
     broker = BrokerProcess(broker_dir, tmp_path / "broker", broker_rig.shim(),
                            "--max-mounts", "2", "--max-mounts-pod", "2",
                            "--max-mounts-node", "4").start()
-    spec = oci.build_spec(oci.ContainerRequest(
-        args=workloads.HOLD, allocation=broker_allocation,
-        seccomp=profiles.runtime_default(), binds=[broker_rig.attacker_bind()]))
+    spec = tenant_spec(broker_allocation)
     try:
         with oci.Runc() as runc:
             leaving, staying, newcomer = (runc.create(spec, name).start()
