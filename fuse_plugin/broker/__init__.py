@@ -8,7 +8,8 @@ its turn). ``command`` runs it, ``settings`` holds its flags, ``node`` sets up t
 (``native/fusermount3.c``) say, ``frames`` what the loop and its helper say, ``helper``
 the helper process (``native/helper.c``: the broker's hands in a caller's namespaces),
 ``caller`` who is asking (the kernel's view), ``policy`` every rule, ``records`` what the
-broker mounted, ``mountinfo`` how its own directory shows in a mount table, ``budget``
+broker mounted, ``admission`` the mount caps over one count of the records and the requests
+in flight, ``mountinfo`` how its own directory shows in a mount table, ``budget``
 how much it logs about one tenant, ``probes`` and ``stats`` its probes and metrics,
 ``kernel`` one system call. docs/broker.md explains the design and the threat model.
 """

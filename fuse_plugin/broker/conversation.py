@@ -2,9 +2,10 @@
 steps its helper has reported, and the judgements those steps need.
 
 The loop (``server.Broker``) owns sockets, helpers and limits; this module owns what a
-single request means: the rules on its strings before any helper runs (``prepare``),
-the verdict on what the helper reached (``verdict``), and the record of a mount before
-it becomes visible (``record``). Each of the helper's reports is read in its turn
+single request means: the rules on its strings and its admission under the mount caps
+before any helper runs (``prepare``: a mount takes its ``admission.Slot``), the verdict
+on what the helper reached (``verdict``), and the record of a mount before it becomes
+visible (``record``). Each of the helper's reports is read in its turn
 (``hear``, ``reports.STEPS``): a report out of turn fails the request.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker import policy, protocol, records, reports
+from fuse_plugin.broker.admission import Admission, Slot
 from fuse_plugin.broker.helper import Job
 
 
@@ -34,6 +36,8 @@ class Conversation:
     answered: bool = False
     watched: bool = False  # registered with the selector until its request arrives
     heard: int = 0  # the helper's reports taken so far
+    slot: Slot | None = None  # a mount's place under the caps, from admission to its end
+    unmounting: int | None = None  # an unmount's FUSE connection, once judged
 
     @property
     def container(self) -> str:
@@ -44,9 +48,10 @@ class Conversation:
         assert self.parsed is not None, "only parsed requests reach a helper"
         return self.parsed
 
-    def prepare(self, data: bytes, held: records.Records, limits: Limits) -> None:
-        """Everything that needs no helper: the message, the rules on strings, the
-        quota, the caller's namespaces. ``policy.Refused`` when a rule says no."""
+    def prepare(self, data: bytes, admission: Admission) -> None:
+        """Everything that needs no helper: the message, the rules on strings, admission
+        under the caps (a mount's slot, given back by the loop when the request ends),
+        the caller's namespaces. ``policy.Refused`` when a rule says no."""
         who = self.caller
         try:
             request = protocol.parse_request(data)
@@ -58,11 +63,8 @@ class Conversation:
         if request.op == "mount":
             self.fields["options"] = request.options[:policy.MAX_OPTIONS]
             self.options = policy.options(request.options)
-            policy.room_for_another(held.held(who.container), limits.per_container,
-                                    held.total, limits.node)
-            pod = policy.pod_of(who.container)
-            policy.room_in_pod(held.held_by_pod(pod), limits.per_pod, pod)
-        elif not held.connections(who.container):
+            self.slot = admission.admit(who.container)
+        elif not admission.records.connections(who.container):
             # Only a mount the broker made for this container may be unmounted: with none
             # recorded, the answer needs no helper (an unmount flood cost one each, ten
             # times a refusal by the rules).
@@ -91,6 +93,7 @@ class Conversation:
                            uid=who.uid, node_root=who.node_root,
                            mount_id=self.request.mount_id)
         self.fields["mount_id"] = found.mount_id
+        self.unmounting = found.connection
         return {"lazy": "1" if "lazy" in self.request.flags else "0"}
 
     def record(self, built: reports.Built, held: records.Records) -> records.Record:
@@ -119,12 +122,3 @@ class Conversation:
         self.fields["mount_id"] = report.mount_id
         if report.connection is not None:
             self.fields.update(connection=report.connection, mount_options=report.options)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """How many mounts the broker may hold at once: per container, per pod, per node."""
-
-    per_container: int
-    per_pod: int
-    node: int

@@ -31,7 +31,8 @@ Why the rules are what they are:
   ``allow_other`` only where the node allows it (``--allow-other``); unmount only of the
   caller's own mounts.
 - How many: mounts the broker made that the kernel still holds (lazily unmounted or
-  hidden ones too), per container and for the node.
+  hidden ones too) and mount requests in flight, per container, per pod and for the
+  node (``admission`` keeps the count; these functions are the caps' words).
 - Unmount: only a mount the broker made for this container, at exactly that path.
 """
 

@@ -140,6 +140,13 @@ class Records:
             counts[record.container] = counts.get(record.container, 0) + 1
         return counts
 
+    def settle(self, connection: int) -> None:
+        """Drop one connection's record if the kernel no longer holds it (after the
+        broker unmounted it: the count falls now, not at the next prune)."""
+        record = self._records.get(connection)
+        if record is not None and self.inode_of(connection) != record.ctl_inode:
+            self._forget(record)
+
     def prune(self, container: str | None = None) -> None:
         for record in list(self._records.values()):
             if container is not None and record.container != container:

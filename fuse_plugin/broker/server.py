@@ -8,8 +8,9 @@ Follow a request from the socket to the mount here. The loop serves a
    its deadline. The socket refuses descriptors (``SO_PASSRIGHTS``), so a tenant cannot
    make the loop own the last reference of a file whose close blocks.
 2. the request arrives: ``Conversation.prepare`` (``conversation.py``) checks the
-   message, the path and option rules (``policy``), the quota (``records``) and opens
-   the caller's namespaces (``Caller.open``).
+   message, the path and option rules (``policy``), admits a mount under the caps
+   (``admission``: it takes a slot, which its record replaces or the end of the request
+   gives back) and opens the caller's namespaces (``Caller.open``).
 3. the helper (``helper.Job``, ``native/helper.c``) judges the caller's /dev/fuse fd
    from /proc and takes it, enters its namespaces, resolves the path from the
    namespace's root and reports each step (``reports``); the conversation judges
@@ -42,7 +43,8 @@ from typing import Any
 from fuse_plugin import files, logs, sockets
 from fuse_plugin.broker import budget, frames, mountinfo, node, policy, protocol, records
 from fuse_plugin.broker import caller as callers
-from fuse_plugin.broker.conversation import Conversation, Limits
+from fuse_plugin.broker.admission import Admission, Limits
+from fuse_plugin.broker.conversation import Conversation
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
 from fuse_plugin.broker.helper import Job
 from fuse_plugin.broker.reports import Built, Done, HelperFailed, Marked, MountFacts, UnmountFacts
@@ -88,8 +90,10 @@ class Broker:
         self.socket_path = settings.directory / protocol.SOCKET_NAME
         self.helper = settings.shim.parent / HELPER_NAME
         self.records = records.Records(settings.state)
-        self._limits = Limits(per_container=settings.max_mounts,
-                              per_pod=settings.max_mounts_pod, node=settings.max_mounts_node)
+        # The caps, on one count of the mounts held (the records) and in flight.
+        self.admission = Admission(self.records, Limits(
+            per_container=settings.max_mounts, per_pod=settings.max_mounts_pod,
+            node=settings.max_mounts_node))
         self.turned = time.monotonic()
         # Published for the probe thread: replaced whole, never changed in place.
         self.mounts_held: dict[str, int] = {}
@@ -402,7 +406,7 @@ class Broker:
             self._drop(work)
             return
         try:
-            work.prepare(data, self.records, self._limits)
+            work.prepare(data, self.admission)
         except policy.Refused as refused:
             if isinstance(refused, policy.OutOfResources):
                 self._pause(refused.error)
@@ -519,12 +523,13 @@ class Broker:
 
     def _record(self, work: Conversation, built: Built) -> None:
         """Crash-only records: the new mount is recorded while still detached
-        (``Conversation.record``); a record the broker cannot write is no mount."""
+        (``Conversation.record``), in its slot's place in the count; a record the broker
+        cannot write is no mount."""
         record = work.record(built, self.records)
+        assert work.slot is not None, "a mount is admitted before its helper starts"
         try:
-            self.records.add(record)
+            self.admission.commit(work.slot, record)
         except OSError as err:
-            self.records.forget(record.connection)
             if policy.out_of_resources(err):
                 self._pause(err)
             raise HelperFailed(f"cannot record the mount: {err.strerror or err}") from None
@@ -532,6 +537,9 @@ class Broker:
 
     def _succeed(self, work: Conversation, done: Done) -> None:
         work.done(done)
+        if work.unmounting is not None:
+            self.admission.unmounted(work.unmounting)
+            self.mounts_held = self.records.by_container()
         self.stats.served(work.request.op)
         self._log(work, f"broker.{work.request.op}", logging.INFO)
         self._reply(work, status="ok", mount_id=done.mount_id)
@@ -597,7 +605,7 @@ class Broker:
         self._summarise(now)
         if now - self._pruned >= PRUNE_EVERY:
             self._pruned = now
-            self.records.prune()
+            self.admission.prune()
             self.mounts_held = self.records.by_container()
 
     def _gone(self, gone: _Gone) -> None:
@@ -660,12 +668,22 @@ class Broker:
 
     def _reply(self, work: Conversation, **fields: object) -> None:
         work.answered = True
+        self._end(work)
         _answer(work.sock, protocol.encode(**fields))
         work.caller.close()
 
     def _drop(self, work: Conversation) -> None:
+        self._end(work)
         work.sock.close()
         work.caller.close()
+
+    def _end(self, work: Conversation) -> None:
+        """Every request ends in ``_reply`` or ``_drop``, however it went (done, refused,
+        failed, past its deadline, the broker stopping), so a mount's slot is given back
+        here, once (a slot its record took counts as that record), and before the
+        answer: a caller that asks again on hearing it finds the slot free."""
+        self.admission.release(work.slot)
+        work.slot = None
 
 
 def _urgency(data: object) -> int:

@@ -33,6 +33,11 @@ going through the shim. Every command prints one JSON object on stdout.
                                                  take an fd from SOCKET, then ask N times
                                                  naming it as fuse_fd; hold it until
                                                  stdin ends
+    attacker.py burst N DIR                      say it is ready, and once a line arrives
+                                                 on stdin mount DIR/0...DIR/N-1 at once
+                                                 (N connections, then N requests); print
+                                                 the tally and the FUSE mounts under DIR;
+                                                 unmount them when stdin ends
 
 ``{i}`` in a field is replaced by the request's number. ``--fuse`` opens /dev/fuse and
 names the fd (``fuse_fd=``), as the shim does. Commands that hold something print their
@@ -505,6 +510,51 @@ def cmd_ask_later(args: argparse.Namespace) -> dict[str, Any]:
         return send(sock, with_fuse([f"v={VERSION}", *args.fields], fd))
 
 
+def fuse_mounts_under(directory: str) -> list[str]:
+    """The FUSE mounts below ``directory`` in this namespace's table, deepest first."""
+    points = []
+    with open("/proc/self/mountinfo") as table:
+        for line in table:
+            fields = line.split()
+            point = fields[4].replace("\\040", " ")
+            fstype = fields[fields.index("-") + 1]
+            if point.startswith(directory.rstrip("/") + "/") and fstype.startswith("fuse"):
+                points.append(point)
+    return sorted(points, key=len, reverse=True)
+
+
+def cmd_burst(args: argparse.Namespace) -> dict[str, Any]:
+    """N mount requests in flight at once: all N connect before any sends, so the
+    broker has every request before any helper of theirs has finished (admission must
+    count them, not only finished mounts). ``mounted`` is what this namespace then holds
+    under DIR, which only this command's requests put there; ``before`` what it held
+    first (the last burst's, if they were not unmounted)."""
+    points = [os.path.join(args.dir, str(i)) for i in range(args.n)]
+    for point in points:
+        os.makedirs(point, exist_ok=True)
+    before = len(fuse_mounts_under(args.dir))
+    fds = [open_fuse() for _ in points]
+    print(json.dumps({"ready": args.n}), flush=True)
+    sys.stdin.readline()
+    socks = [connect() for _ in points]
+    for sock, point, fd in zip(socks, points, fds, strict=True):
+        with contextlib.suppress(BrokenPipeError):  # answered at accept: the answer waits
+            sock.send(encode([f"v={VERSION}", "op=mount", f"path={point}", f"fuse_fd={fd}"]))
+    results = [reply_of(sock) for sock in socks]
+    for sock, fd in zip(socks, fds, strict=True):
+        sock.close()
+        os.close(fd)
+    out = tally(results)
+    out.update(before=before, mounted=len(fuse_mounts_under(args.dir)))
+
+    def unmount() -> None:
+        for point in fuse_mounts_under(args.dir):
+            ask_once([f"v={VERSION}", "op=unmount", f"path={point}"], False, None)
+
+    globals()["_cleanup"] = unmount
+    return out
+
+
 def mountpoint_of(mount_id: str) -> str:
     with open("/proc/self/mountinfo") as table:
         for line in table:
@@ -537,6 +587,9 @@ def add_fuse_commands(sub: Any) -> None:
     with_fd.add_argument("socket")
     with_fd.add_argument("n", type=int)
     with_fd.add_argument("fields", nargs="+")
+    burst = sub.add_parser("burst")
+    burst.add_argument("n", type=int)
+    burst.add_argument("dir")
 
 
 def main() -> int:
@@ -581,10 +634,11 @@ def main() -> int:
                 "descriptors": cmd_descriptors, "pin-and-hide": cmd_pin_and_hide,
                 "swap-race": cmd_swap_race, "serve": cmd_serve, "pass-fd": cmd_pass_fd,
                 "ask-with-fd": cmd_ask_with_fd, "ask-later": cmd_ask_later,
-                "mount-loop": cmd_mount_loop, "swap-ask": cmd_swap_ask}
+                "mount-loop": cmd_mount_loop, "swap-ask": cmd_swap_ask,
+                "burst": cmd_burst}
     print(json.dumps(commands[args.command](args)), flush=True)
     if args.command in ("hold", "silent", "descriptors", "pin-and-hide", "serve", "pass-fd",
-                        "ask-with-fd"):
+                        "ask-with-fd", "burst"):
         sys.stdin.read()  # hold until the test closes our stdin
         globals().get("_cleanup", lambda: None)()
     return 0
