@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.cluster import gpu
 from tests.cluster.cluster import Api, Cluster, Kubectl, pod_ready
 from tests.cluster.kube import (
     APPLY,
@@ -672,3 +673,11 @@ def test_default_mode_in_a_user_namespace(
         assert back == f"back-{token}", proof
     finally:
         delete_sshfs_example(kubectl, api, USERNS_POD)
+
+
+def test_a_fuse_pod_sees_no_gpu_in_default_mode(
+    deployed: dict[str, Any], kubectl: Kubectl, api: Api, images: dict[str, str]
+) -> None:
+    """Stand-in GPUs on the node: a privileged pod lists them all; a pod that asks
+    `github.com/fuse: 1` from the device plugin gets /dev/fuse and nothing else."""
+    gpu.prove_isolation(kubectl, api, images["WORKLOAD_IMAGE"], "default")

@@ -34,6 +34,7 @@ import pytest
 import yaml
 
 from fuse_plugin.broker import protocol, settings
+from tests.cluster import gpu
 from tests.cluster.cluster import Api, Cluster, Kubectl, pod_ready
 from tests.cluster.kube import (
     APPLY,
@@ -842,3 +843,11 @@ def test_rootless_image_build_with_buildah_through_the_broker(
     finally:
         kubectl("-n", namespace, "delete", "configmap", BUILDAH_POD, "--ignore-not-found")
         delete_pod(kubectl, api, namespace, BUILDAH_POD)
+
+
+def test_a_fuse_pod_sees_no_gpu_in_broker_mode(
+    *, broker_deployed: dict[str, Any], kubectl: Kubectl, api: Api, images: dict[str, str]
+) -> None:
+    """As in default mode: the broker component adds binds of its socket and shim, and
+    no device beyond /dev/fuse."""
+    gpu.prove_isolation(kubectl, api, images["WORKLOAD_IMAGE"], "broker")

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests.cluster import gpu
 from tests.cluster.cluster import APISERVER_PORT, NODE_NAME, Api, Cluster, Kubectl
 from tests.cluster.kube import (
     APPLY,
@@ -649,3 +650,10 @@ def test_driver_rollout_serves_every_new_pod_without_waiting_for_registration(
                     "--grace-period=1", "--wait=false")
         wait_for(lambda: not {p["metadata"]["name"] for p in api.pods(DRA_NS)} & set(made)
                  or None, 120, "the rollout's pods to be gone")
+
+
+def test_a_fuse_pod_sees_no_gpu_under_dra(
+    *, dra_deployed: dict[str, Any], kubectl: Kubectl, api: Api, images: dict[str, str]
+) -> None:
+    """As with the device plugin: the claim's CDI device is /dev/fuse alone."""
+    gpu.prove_isolation(kubectl, api, images["WORKLOAD_IMAGE"], "dra")
