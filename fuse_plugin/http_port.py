@@ -45,6 +45,16 @@ Answer = tuple[HTTPStatus, bytes, str]
 Route = Callable[[], Answer]
 
 TEXT = "text/plain; charset=utf-8"
+
+
+def probe(check: Callable[[], tuple[bool, str]]) -> Route:
+    """A probe's route from a check that says (ok, why): 200 or 503 with the reason as
+    its one line, so the kubelet's event and a curl show why a pod is not ready."""
+    def answer() -> Answer:
+        ok, reason = check()
+        return (HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE,
+                f"{reason}\n".encode(), TEXT)
+    return answer
 # Probes and scrapes send their request at once and read a few KiB: nothing legitimate
 # takes this long for either half.
 DEADLINE = 5.0

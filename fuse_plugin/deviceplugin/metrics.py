@@ -85,9 +85,5 @@ def _routes(lifecycle: Lifecycle, stats: Stats) -> dict[str, http_port.Route]:
             return HTTPStatus.OK, b"ok\n", TEXT
         return HTTPStatus.SERVICE_UNAVAILABLE, b"loop stopped or stuck\n", TEXT
 
-    def readyz() -> Answer:
-        ready, reason = _readiness(lifecycle)
-        code = HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE
-        return code, f"{reason}\n".encode(), TEXT
-
-    return {"/metrics": metrics, "/healthz": healthz, "/readyz": readyz}
+    return {"/metrics": metrics, "/healthz": healthz,
+            "/readyz": http_port.probe(lambda: _readiness(lifecycle))}

@@ -183,13 +183,8 @@ class Driver:
 
 
 def _routes(driver: Driver) -> dict[str, http_port.Route]:
-    def answer(check: tuple[bool, str]) -> http_port.Answer:
-        ok, reason = check
-        code = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
-        return code, f"{reason}\n".encode(), http_port.TEXT
-
-    return {"/healthz": lambda: answer(driver.alive()),
-            "/readyz": lambda: answer(driver.ready()),
+    return {"/healthz": http_port.probe(driver.alive),
+            "/readyz": http_port.probe(driver.ready),
             "/metrics": lambda: (HTTPStatus.OK, driver.metrics(), CONTENT_TYPE)}
 
 
