@@ -9,12 +9,11 @@ a plugin that half-starts and never registers.
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from fuse_plugin import args, sockets
+from fuse_plugin import args, names, sockets
 from fuse_plugin.errors import EXIT_USAGE, Failure
 
 DEFAULT_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
@@ -30,10 +29,6 @@ MAX_SLOTS = 100_000
 KUBELET_SOCKET = "kubelet.sock"
 API_VERSION = "v1beta1"
 
-_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-# Used with fullmatch: `$` would also match before a trailing newline.
-_DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
-_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 
 
 @dataclass(frozen=True)
@@ -83,11 +78,11 @@ def resource_name(text: str) -> str:
     if text.startswith("requests."):
         raise argparse.ArgumentTypeError(
             f"{text!r}: a name starting with 'requests.' is a quota name, not a resource")
-    if len("requests." + domain) > 253 or not _DNS_SUBDOMAIN.fullmatch(domain):
+    if not names.dns_subdomain(domain, names.SUBDOMAIN_MAX - len("requests.")):
         raise argparse.ArgumentTypeError(
             f"{text!r}: domain {domain!r} is not a lowercase DNS subdomain of at most "
             "244 characters")
-    if len(name) > 63 or not _NAME.fullmatch(name):
+    if not names.qualified_name(name):
         raise argparse.ArgumentTypeError(
             f"{text!r}: name {name!r} must be 1-63 characters of [A-Za-z0-9-_.], "
             "starting and ending alphanumeric")

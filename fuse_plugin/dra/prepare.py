@@ -23,11 +23,10 @@ claim, as text for the pod's events, never an exception out of here.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from pathlib import Path
 
-from fuse_plugin import cdi, devices, files, logs
+from fuse_plugin import cdi, devices, files, logs, names
 from fuse_plugin.allocation import broker_binds
 from fuse_plugin.devices import Health, Prober
 from fuse_plugin.dra import checkpoint
@@ -38,10 +37,6 @@ CDI_CLASS = "fuse"
 # rw for everyone: the pod's own securityContext decides who runs in it, and FUSE's
 # own checks (allow_other, the mount's owner) still apply.
 FILE_MODE = 0o666
-# What the API server allows for a namespace and a claim's name: they become the path of
-# the GET, so nothing else is sent.
-_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 
 
 
@@ -110,7 +105,8 @@ class Preparer:
             cdi.check_device_name(uid)
         except ValueError as err:
             raise ClaimError(f"claim {namespace}/{name}: UID {err}") from None
-        if not _NAMESPACE.fullmatch(namespace) or not _NAME.fullmatch(name):
+        # They become the path of the GET: only names the API server could have made.
+        if not names.dns_label(namespace) or not names.dns_subdomain(name):
             raise ClaimError(f"claim {namespace[:70]!r}/{name[:260]!r}: not a namespace and "
                              "a ResourceClaim name the API server would accept")
         with self._lock(uid):

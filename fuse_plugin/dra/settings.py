@@ -12,11 +12,10 @@ itself is a resource name, not a valid driver name (it holds a slash).
 from __future__ import annotations
 
 import argparse
-import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from fuse_plugin import args, sockets
+from fuse_plugin import args, names, sockets
 from fuse_plugin.config import DEFAULT_CDI_DIR, DEFAULT_FUSE_DEVICE
 from fuse_plugin.errors import EXIT_USAGE, Failure
 
@@ -32,10 +31,7 @@ SHARING = ("auto", "shared", "counted")
 # A backstop: the slice's watch brings changes within a second.
 DEFAULT_RESYNC = 300
 
-_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
 DRIVER_NAME_MAX = 63
-NODE_NAME_MAX = 253
 
 
 @dataclass(frozen=True)
@@ -74,7 +70,7 @@ class DraSettings:
 
 
 def driver_name(text: str) -> str:
-    if len(text) > DRIVER_NAME_MAX or not _DNS_SUBDOMAIN.fullmatch(text):
+    if not names.dns_subdomain(text, DRIVER_NAME_MAX):
         raise argparse.ArgumentTypeError(
             f"{args.shown(text)} is not a DRA driver name: a lowercase DNS subdomain of at "
             f"most {DRIVER_NAME_MAX} characters, e.g. {DRIVER_NAME}")
@@ -83,19 +79,16 @@ def driver_name(text: str) -> str:
 
 def node_name(text: str) -> str:
     """A node name, or empty (the default, refused in ``from_args`` with its own line)."""
-    if text and (len(text) > NODE_NAME_MAX or not _DNS_SUBDOMAIN.fullmatch(text)):
+    if text and not names.dns_subdomain(text):
         raise argparse.ArgumentTypeError(
             f"{args.shown(text)} is not a node name (a lowercase DNS subdomain); the "
             "DaemonSet sets it from spec.nodeName")
     return text
 
 
-_INSTANCE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-
-
 def instance(text: str) -> str:
     """A pod's name (a DNS label), or empty."""
-    if text and not _INSTANCE.fullmatch(text):
+    if text and not names.dns_label(text):
         raise argparse.ArgumentTypeError(
             f"{args.shown(text)} is not an instance name (a lowercase DNS label of at most "
             "63 characters); the DaemonSet sets it from metadata.name")
