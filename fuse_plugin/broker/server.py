@@ -206,14 +206,16 @@ class Broker:
         go at once: the listening socket is closed and its path removed, so the shim
         waits for the next broker (the connections still in the listen queue are reset,
         which the shim takes as "not read": it asks again). The requests already held
-        (waiting for their message, queued, with a helper at work) are served as usual
-        for STOP_GRACE; past it, those not yet acted on are refused with ``retry``, which
-        the shim asks the next broker again for, and their helpers killed. A helper
-        already told to mount or unmount cannot be undone and asked again elsewhere: it
-        finishes, or fails at its own deadline."""
+        (queued, with a helper at work) are served as usual for up to STOP_GRACE, and
+        connections whose request is still arriving meanwhile; past it, or once nothing
+        else is held (a silent connection does not hold the drain), those not yet acted
+        on are refused with ``retry``, which the shim asks the next broker again for, and
+        their helpers killed. A helper already told to mount or unmount cannot be undone
+        and asked again elsewhere: it finishes, or fails at its own deadline."""
         self._stop_listening()
         end = time.monotonic() + STOP_GRACE
-        self._turn_while(lambda: bool(self._all()), end)
+        self._turn(0.0)  # requests that arrived since the last turn: held from now on
+        self._turn_while(lambda: bool(self._queued or self._running), end)
         stopping = policy.Refused(f"the broker is stopping and did not get to this "
                                   f"request within {STOP_GRACE:g}s; try again", "busy")
         waiting = list(self._waiting.values())

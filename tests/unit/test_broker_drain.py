@@ -31,6 +31,7 @@ from fuse_plugin.broker.helper import Job
 from fuse_plugin.broker.server import Broker
 from fuse_plugin.broker.settings import BrokerSettings
 from tests.lib import broker as broker_rig
+from tests.lib.manifests import MANIFESTS, one, pod_spec
 from tests.lib.waiting import wait_for
 
 POD = "/kubepods/pod0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
@@ -244,6 +245,37 @@ def test_the_drain_stops_accepting_serves_what_it_holds_and_refuses_the_rest_wit
     assert started == ["/mnt/a1", "/mnt/b1", "/mnt/c1", "/mnt/a2"]  # B's second: never
     assert (broker.admission.in_flight, broker.admission.node()) == (0, 3)
     assert w.answered
+
+
+def test_a_silent_connection_does_not_hold_the_drain(
+        broker: Broker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing else held: a connection that sent nothing is refused with retry=1 at once,
+    not at the bound (a tenant's silent connections would slow every rollout). One whose
+    request had arrived when SIGTERM came is read and served as usual (here an unmount of
+    nothing the broker made: refused by its rule, not handed on)."""
+    monkeypatch.setattr(server, "STOP_GRACE", 3600.0)
+    _, silent = held(broker, A, "(none yet)", waiting=True)
+    _, arrived = held(broker, B, "(none yet)", waiting=True)
+    arrived.send(protocol.encode(v="2", op="unmount", path="/mnt/x"))
+    broker.stop()
+    loop = threading.Thread(target=broker.run, name="broker")
+    loop.start()
+    loop.join(WAIT)
+    assert not loop.is_alive()
+    assert reply(silent) == {"status": "error", "retry": "1", "message": (
+        "broker refused: the broker is stopping and did not get to this request within "
+        "3600s; try again")}
+    answer = reply(arrived)
+    assert "retry" not in answer
+    assert "not a mount the broker made for this container" in answer["message"]
+
+
+def test_the_daemonsets_grace_period_covers_the_longest_drain() -> None:
+    """SIGTERM to exit: the drain, then a helper already told to mount may take the rest
+    of its deadline; the kubelet's SIGKILL must come after both, with time to exit."""
+    daemonset = one(MANIFESTS / "broker" / "broker-daemonset.yaml", "DaemonSet")
+    grace = pod_spec(daemonset)["terminationGracePeriodSeconds"]
+    assert grace >= server.STOP_GRACE + server.HELPER_DEADLINE + 5
 
 
 # -- the shim -----------------------------------------------------------------------------
