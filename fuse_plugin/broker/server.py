@@ -216,8 +216,8 @@ class Broker:
         end = time.monotonic() + STOP_GRACE
         self._turn(0.0)  # requests that arrived since the last turn: held from now on
         self._turn_while(lambda: bool(self._queued or self._running), end)
-        stopping = policy.Refused(f"the broker is stopping and did not get to this "
-                                  f"request within {STOP_GRACE:g}s; try again", "busy")
+        stopping = policy.Refused("the broker is stopping and did nothing of this "
+                                  "request; try again", "busy")
         waiting = list(self._waiting.values())
         for work in waiting:
             self._unwait(work)
