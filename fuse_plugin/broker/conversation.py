@@ -48,6 +48,15 @@ class Conversation:
         assert self.parsed is not None, "only parsed requests reach a helper"
         return self.parsed
 
+    @property
+    def acting(self) -> bool:
+        """Its helper was told to go on past the facts, so it may have built a mount or
+        unmounted: the request cannot be handed to another broker. Before, it has only
+        looked (the caller's mark, the path); a killed helper leaves nothing behind."""
+        if self.parsed is None:
+            return False
+        return self.heard > reports.STEPS[self.parsed.op].index("facts")
+
     def prepare(self, data: bytes, admission: Admission) -> None:
         """Everything that needs no helper: the message, the rules on strings, admission
         under the caps (a mount's slot, given back by the loop when the request ends),

@@ -6,8 +6,9 @@ ambiguous: paths and options never contain NUL. Nothing but text crosses the soc
 mount request names the number of the /dev/fuse fd the shim opened (``fuse_fd``), and
 the broker's helper takes that fd from the caller with ``pidfd_getfd``; the socket
 refuses descriptors (``SO_PASSRIGHTS``). The C side of the wire is
-``native/fusermount3.c``; a unit test keeps its constants equal to these. (The broker
-talks to its helper in ``frames``, not in this codec.)
+``native/fusermount3.c``; a unit test keeps its constants equal to these. A reply is
+``status`` (``ok`` or ``error``), then ``message``, ``mount_id`` or ``retry``. (The
+broker talks to its helper in ``frames``, not in this codec.)
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ SHIM_NAME = "fusermount3"
 CONTAINER_DIR = "/run/fuse-broker"
 CONTAINER_SOCKET = f"{CONTAINER_DIR}/{SOCKET_NAME}"
 SOCKET_ENV = "FUSE_BROKER_SOCKET"
+# In a reply (``retry=1``, with status=error): the broker is stopping (SIGTERM) and did
+# nothing of the request, so the shim asks again, of the broker that replaces it, within
+# its wait (WAIT_ENV), as when the connection was reset unread. Replies may carry fields
+# an older shim does not know (it ignores them): no new protocol version.
+RETRY_FIELD = "retry"
 # In the caller's environment: how many seconds the shim waits for a broker that is
 # restarting (its socket missing while the directory is there, or stale); the default is
 # WAIT_SECONDS in the C source.

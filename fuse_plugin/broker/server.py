@@ -68,7 +68,9 @@ REQUEST_DEADLINE = 5.0  # seconds from accept to a complete request
 HELPER_DEADLINE = 5.0  # seconds a helper may take; then it is killed
 KILL_GRACE = 2.0  # a killed helper still alive after this is stuck on a FUSE daemon
 ACCEPT_PAUSE = 1.0  # out of fds: the backlog waits this long before the next accept
-STOP_GRACE = 3.0  # SIGTERM: running helpers may finish within this
+# SIGTERM: the drain. Requests already held go on for this long (a helper at work then
+# reaches its own deadline within it); see Broker._close.
+STOP_GRACE = HELPER_DEADLINE
 PRUNE_EVERY = 10.0  # records of connections that ended are dropped this often
 TURN = 1.0  # the loop turns at least this often (the liveness probe watches it)
 SO_PASSRIGHTS = 83  # Linux 6.16+
@@ -200,25 +202,34 @@ class Broker:
             self._wake_w.send(b"\0")
 
     def _close(self) -> None:
-        if self._listener is not None:
-            with contextlib.suppress(KeyError):  # unregistered while accepting paused
-                self._selector.unregister(self._listener)
-            self._answer_backlog()
-            self._listener.close()
-            if self._owns_socket():
-                with contextlib.suppress(OSError):
-                    self.socket_path.unlink()
-            self._listener = None
+        """SIGTERM: drain, so that a rollout fails no mount (issue 35). New connections
+        go at once: the listening socket is closed and its path removed, so the shim
+        waits for the next broker (the connections still in the listen queue are reset,
+        which the shim takes as "not read": it asks again). The requests already held
+        (queued, with a helper at work) are served as usual for up to STOP_GRACE, and
+        connections whose request is still arriving meanwhile; past it, or once nothing
+        else is held (a silent connection does not hold the drain), those not yet acted
+        on are refused with ``retry``, which the shim asks the next broker again for, and
+        their helpers killed. A helper already told to mount or unmount cannot be undone
+        and asked again elsewhere: it finishes, or fails at its own deadline."""
+        self._stop_listening()
+        end = time.monotonic() + STOP_GRACE
+        self._turn(0.0)  # requests that arrived since the last turn: held from now on
+        self._turn_while(lambda: bool(self._queued or self._running), end)
+        stopping = policy.Refused("the broker is stopping and did nothing of this "
+                                  "request; try again", "busy")
         waiting = list(self._waiting.values())
         for work in waiting:
             self._unwait(work)
-        for work in [*waiting, *(w for q in self._queued.values() for w in q)]:
-            self._refuse(work, policy.Refused("the broker is stopping; try again", "busy"))
+        queued = [w for q in self._queued.values() for w in q]
         self._queued.clear()
-        deadline = time.monotonic() + STOP_GRACE
-        while self._running and time.monotonic() < deadline:
-            self._turn(min(TURN, max(0.0, deadline - time.monotonic())))
-        for work in list(self._running.values()):
+        for work in [*waiting, *queued]:
+            self._refuse(work, stopping, retry=True)
+        for work in [w for w in self._running.values() if not w.acting]:
+            self._refuse(work, stopping, retry=True)
+            self._release(work)
+        self._turn_while(lambda: bool(self._running), end + HELPER_DEADLINE)
+        for work in list(self._running.values()):  # past their deadlines: not expired yet
             if work.job is not None:
                 work.job.kill()
             self._fail(work, HelperFailed("the broker is stopping"))
@@ -229,6 +240,22 @@ class Broker:
         self._selector.close()
         self._summarise(time.monotonic(), everything=True)
         logs.event(self.log, "stopped")
+
+    def _stop_listening(self) -> None:
+        if self._listener is None:
+            return
+        with contextlib.suppress(KeyError):  # unregistered while accepting paused
+            self._selector.unregister(self._listener)
+        self._listener.close()
+        if self._owns_socket():
+            with contextlib.suppress(OSError):
+                self.socket_path.unlink()
+        self._listener = None
+        self._paused_until = 0.0  # no listener to take back
+
+    def _turn_while(self, held: Callable[[], bool], end: float) -> None:
+        while held() and time.monotonic() < end:
+            self._turn(min(TURN, max(0.0, end - time.monotonic())))
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -382,8 +409,7 @@ class Broker:
     def _pause(self, err: OSError) -> None:
         """Out of fds: stop accepting for a moment (the backlog holds the callers) and
         say so once, instead of spinning on the same error."""
-        assert self._listener is not None
-        if self._paused_until:
+        if self._listener is None or self._paused_until:  # draining: nothing to pause
             return
         self._selector.unregister(self._listener)
         self._paused_until = time.monotonic() + ACCEPT_PAUSE
@@ -414,18 +440,6 @@ class Broker:
             return
         self._queued.setdefault(work.container, collections.deque()).append(work)
         self._next(work.container)
-
-    def _answer_backlog(self) -> None:
-        """Callers still in the listen queue get "stopping" rather than a reset."""
-        assert self._listener is not None
-        stopping = policy.Refused("the broker is stopping; try again", "busy")
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:  # empty (EAGAIN), or out of fds: those get the reset
-                return
-            sock.setblocking(False)
-            self._refuse_at_accept(sock, None, stopping)
 
     def _unwait(self, work: Conversation) -> None:
         """The connection leaves the selector: its request arrived, or it never will."""
@@ -638,12 +652,18 @@ class Broker:
 
     # -- answers -------------------------------------------------------------------------
 
-    def _refuse(self, work: Conversation, refused: policy.Refused) -> None:
+    def _refuse(self, work: Conversation, refused: policy.Refused,
+                retry: bool = False) -> None:
+        """``retry``: nothing of the request was done and the broker is going away; the
+        shim asks the next one (protocol.RETRY_FIELD)."""
         work.fields.update(reason=str(refused), kind=refused.kind)
+        if retry:
+            work.fields["retry"] = True
         self.stats.refused(refused.kind)
         if self._budget.admit(work.container, refused.kind, str(refused), time.monotonic()):
             self._log(work, "broker.refused", logging.WARNING)
-        self._reply(work, status="error", message=f"broker refused: {refused}")
+        self._reply(work, status="error", message=f"broker refused: {refused}",
+                    **({protocol.RETRY_FIELD: 1} if retry else {}))
 
     def _fail(self, work: Conversation, failed: HelperFailed) -> None:
         work.fields["reason"] = str(failed)

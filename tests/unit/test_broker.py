@@ -46,6 +46,7 @@ def test_shim_and_protocol_agree_on_constants() -> None:
     assert defines["SOCKET_ENV"] == protocol.SOCKET_ENV
     assert defines["WAIT_ENV"] == protocol.WAIT_ENV
     assert defines["PROTOCOL_VERSION"] == protocol.VERSION
+    assert defines["RETRY_FIELD"] == protocol.RETRY_FIELD
     assert int(defines["MAX_MESSAGE"]) == protocol.MAX_MESSAGE
 
 

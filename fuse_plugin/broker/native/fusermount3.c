@@ -17,8 +17,9 @@
  * broker, not this program, is what is trusted.
  *
  * A broker that is restarting (its DaemonSet rolled out: the socket is gone, or left by a
- * broker that was killed) is waited for, up to WAIT_SECONDS or $FUSE_BROKER_WAIT, and said
- * so once; try_broker says when a request may be sent again.
+ * broker that was killed, or a stopping broker answered retry=1) is waited for, up to
+ * WAIT_SECONDS or $FUSE_BROKER_WAIT, and said so once; try_broker says when a request may
+ * be sent again.
  *
  * Static and dependency-free (musl), because it runs in arbitrary images. Every error is
  * one line on stderr and exit status 1.
@@ -46,6 +47,8 @@
 #define COMMFD_ENV "_FUSE_COMMFD"
 #define DEVFD_ENV "_FUSE_DEVFD"
 #define PROTOCOL_VERSION "2"
+/* In a reply: "1" when a stopping broker did nothing of the request (ask the next one). */
+#define RETRY_FIELD "retry"
 #define FUSE_DEVICE "/dev/fuse"
 #define MAX_MESSAGE 16384
 #define REPLY_TIMEOUT_SECONDS 60
@@ -202,7 +205,7 @@ _Noreturn static void unreachable(const char *path, const char *why)
 	     "running on this node and the pod's github.com/fuse allocation)", path, why);
 }
 
-enum attempt { ANSWERED, NOT_LISTENING, NOT_READ };
+enum attempt { ANSWERED, NOT_LISTENING, NOT_READ, STOPPING };
 
 /*
  * One connection, one request, one reply. NOT_LISTENING (the socket is missing while its
@@ -212,12 +215,15 @@ enum attempt { ANSWERED, NOT_LISTENING, NOT_READ };
  * closed with the request still in its queue, or never accepted, resets its peer
  * (ECONNRESET), and a send that failed put nothing in it. A connection closed after
  * the broker read the request (EOF) is not tried again: the mount may have been made.
+ * STOPPING: the broker answered, but with retry=1: it is stopping (SIGTERM) and did
+ * nothing of the request, so the broker that replaces it is asked.
  */
 static enum attempt try_broker(const char *path, const char *request, size_t len,
 			       char *reply, size_t *reply_len)
 {
 	struct sockaddr_un addr = { .sun_family = AF_UNIX };
 	struct timeval timeout = { .tv_sec = REPLY_TIMEOUT_SECONDS };
+	const char *retry;
 	int sock, sent, err;
 	ssize_t n;
 
@@ -250,13 +256,15 @@ static enum attempt try_broker(const char *path, const char *request, size_t len
 						       : strerror(err));
 	reply[n] = '\0';
 	*reply_len = (size_t)n;
-	return ANSWERED;
+	retry = field(reply, *reply_len, RETRY_FIELD);
+	return retry && strcmp(retry, "1") == 0 ? STOPPING : ANSWERED;
 }
 
 /*
  * One request, one reply (text only). A broker that is not there, or went away before
- * reading the request, is waited for (said once), with a short backoff, up to the wait;
- * then the error is the one it would have been at once.
+ * reading the request, or is stopping and asked for it again, is waited for (said once),
+ * with a short backoff, up to the wait; then the error is the one it would have been at
+ * once (a stopping broker's: its reply, which the caller reads).
  */
 static void ask_broker(const char *request, size_t len, char *reply, size_t *reply_len)
 {
@@ -270,7 +278,8 @@ static void ask_broker(const char *request, size_t len, char *reply, size_t *rep
 		fail("broker socket path too long: %s", path);
 	while ((outcome = try_broker(path, request, len, reply, reply_len)) != ANSWERED) {
 		const char *why = outcome == NOT_READ ? "it closed the connection unread"
-						      : strerror(errno);
+				  : outcome == STOPPING ? "it is stopping"
+				  : strerror(errno);
 		if (!waiting) {
 			waiting = 1;
 			deadline = now_ms() + seconds * 1000;
@@ -284,6 +293,8 @@ static void ask_broker(const char *request, size_t len, char *reply, size_t *rep
 			if (outcome == NOT_READ)
 				fail("the FUSE mount broker at %s closed the connection before reading "
 				     "the request (restarting?)", path);
+			if (outcome == STOPPING)  /* what it said, as it would have at once */
+				return;
 			unreachable(path, why);
 		}
 		sleep_ms(pause < left ? pause : left);
