@@ -6,7 +6,8 @@ pod's root can try with containerd's default capabilities:
 
     prey.py look ROUNDS DIR     signal 0 (may it signal?), ptrace, /proc/PID/{fd,fdinfo,
                                 root,cwd,mem,environ,ns}, pidfd_open + pidfd_getfd,
-                                prlimit; nothing that changes the process
+                                prlimit, setpriority (to the value it has): nothing
+                                that changes the process
     prey.py stop ROUNDS DIR     SIGSTOP, and nothing else
     prey.py kill ROUNDS DIR     SIGKILL, and nothing else
     prey.py none ROUNDS DIR     only the mounts: a neighbour that watches nothing
@@ -100,6 +101,11 @@ def ptrace_seize(pid: int) -> None:
     libc.ptrace(PTRACE_DETACH, pid, None, None)
 
 
+def renice(pid: int) -> None:
+    """setpriority to the priority it has: the kernel's permission check, no change."""
+    os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, pid))
+
+
 def list_fds(pid: int) -> list[str]:
     return os.listdir(f"/proc/{pid}/fd")
 
@@ -130,6 +136,7 @@ def look(pid: int, pidfd: int, tally: Tally, held: list[int]) -> None:
         if taken is not None:
             os.close(taken)
     tally.attempt("prlimit", resource.prlimit, pid, resource.RLIMIT_NOFILE)
+    tally.attempt("renice", renice, pid)
 
 
 def churn(rounds: int, directory: str, answers: list[dict[str, Any]]) -> None:
