@@ -868,6 +868,7 @@ static int has_option(const char *list, const char *want)
 #define STEP_NO_FORK 241
 #define STEP_DUMPABLE 242 /* the step found itself dumpable, and did nothing */
 #define STEP_NO_CONTEXT 243
+#define STEP_LOST 244 /* the agent could not wait for the step or send setns's errno */
 
 /* Close every descriptor but keep[0..n-1] (sorted, ascending). */
 static void keep_only(const int *keep, int n)
@@ -909,7 +910,7 @@ static void agent(int sock, int pidfd, int fuse, pid_t parent)
 
 	prctl(PR_SET_PDEATHSIG, SIGKILL);
 	if (getppid() != parent)
-		_exit(1);
+		_exit(STEP_LOST); /* the helper is gone already */
 	for (int i = 0; i < 2; i++) /* sorted, for keep_only */
 		for (int j = 0; j < 2 - i; j++)
 			if (keep[j] > keep[j + 1]) {
@@ -928,7 +929,8 @@ static void agent(int sock, int pidfd, int fuse, pid_t parent)
 	memcpy(&fs, CMSG_DATA(cmsg), sizeof(int));
 	if (setns(pidfd, CLONE_NEWPID) == -1) {
 		int err = errno;
-		_exit(send(sock, &err, sizeof(err), MSG_NOSIGNAL) == (ssize_t)sizeof(err) ? STEP_NO_SETNS : 1);
+		_exit(send(sock, &err, sizeof(err), MSG_NOSIGNAL) == (ssize_t)sizeof(err)
+		      ? STEP_NO_SETNS : STEP_LOST);
 	}
 	close(sock);
 	close(pidfd);
@@ -944,7 +946,7 @@ static void agent(int sock, int pidfd, int fuse, pid_t parent)
 	close(fuse);
 	while (waitpid(child, &status, WUNTRACED) == -1)
 		if (errno != EINTR)
-			_exit(1);
+			_exit(STEP_LOST);
 	if (WIFSTOPPED(status)) {
 		kill(child, SIGKILL);
 		while (waitpid(child, NULL, 0) == -1 && errno == EINTR)
@@ -1005,7 +1007,9 @@ static void create_in_pidns(int agent_sock, int fs)
 		       "namespace was ended by signal %d", WTERMSIG(status));
 	code = WEXITSTATUS(status);
 	if (code == STEP_NO_SETNS) {
-		errno = recv(agent_sock, &err, sizeof(err), MSG_DONTWAIT) == (ssize_t)sizeof(err) ? err : 0;
+		if (recv(agent_sock, &err, sizeof(err), MSG_DONTWAIT) != (ssize_t)sizeof(err))
+			err = 0;
+		errno = err;
 		failed("setns pid");
 	}
 	close(agent_sock);
