@@ -847,7 +847,8 @@ static int has_option(const char *list, const char *want)
  *     it, nor open its /proc files; it is not in the caller's mount namespace either;
  *   - it is not dumpable (inherited from this process; nothing in it execs or changes
  *     ids), so ptrace, pidfd_getfd and /proc/PID/{fd/N,fdinfo,root,cwd,mem,environ,ns}
- *     need CAP_SYS_PTRACE in the node's user namespace, even for the node's uid 0;
+ *     need CAP_SYS_PTRACE in the node's user namespace, even for the node's uid 0 (the
+ *     capabilities it holds, which a pod's do not include, ask for the same);
  *   - from its first instruction it holds two descriptors, the context and the caller's
  *     own /dev/fuse (whose number, set as "fd", the kernel may look up at CMD_CREATE):
  *     the agent closes its socket to this process and the caller's pidfd before the
