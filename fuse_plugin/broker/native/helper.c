@@ -37,6 +37,9 @@
  * proves the caller may open /dev/fuse; the mount is built with the new mount API
  * (fsopen in the caller's user namespace, so the superblock belongs to it) and its
  * flags are read back from the mount table and undone if they are not what was asked.
+ * Its superblock is created in the caller's PID namespace by a process with the node's
+ * credentials that holds nothing but the mount's context and the caller's own /dev/fuse
+ * (start_agent, create_in_pidns): the only process of this program a pod can see.
  *
  * Static (musl): it runs with the broker's privileges and loads nothing.
  */
@@ -44,6 +47,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <poll.h>
 #include <sched.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -84,6 +88,7 @@
 #define SYS_fsopen_ 430
 #define SYS_fsconfig_ 431
 #define SYS_fsmount_ 432
+#define SYS_close_range_ 436
 #define SYS_openat2_ 437
 #define SYS_pidfd_getfd_ 438
 #define SYS_faccessat2_ 439
@@ -828,9 +833,210 @@ static int has_option(const char *list, const char *want)
 	return 0;
 }
 
-/* Build the FUSE mount as the verdict says, in the current (the caller's) user
- * namespace; returns the detached mount's fd. */
-static int build(int fuse, const struct fields *v, uid_t uid, gid_t gid)
+/* The superblock takes the PID namespace of the process that creates it (the kernel
+ * names every requester to the daemon by its pid there, and pid 0 for processes outside
+ * it), so one step must run in a process of the caller's PID namespace, where the pod
+ * sees it and can name it. That step is one call, fsconfig(FSCONFIG_CMD_CREATE), on a
+ * context this process opened (in the caller's user namespace, so the superblock belongs
+ * to it) and configured. The process that makes it is built so that the pod can do
+ * nothing to it beyond ending its own request:
+ *   - its credentials are the node's: it is forked by an agent that this process forked
+ *     before it took the caller's ids and user namespace (start_agent), so a pod's root,
+ *     whose capabilities (CAP_KILL...) count only in its own user namespace and whose
+ *     ids (hostUsers: false) are not the node's uid 0, may not signal, ptrace or prlimit
+ *     it, nor open its /proc files; it is not in the caller's mount namespace either;
+ *   - it is not dumpable (inherited from this process; nothing in it execs or changes
+ *     ids), so ptrace, pidfd_getfd and /proc/PID/{fd/N,fdinfo,root,cwd,mem,environ,ns}
+ *     need CAP_SYS_PTRACE in the node's user namespace, even for the node's uid 0 (the
+ *     capabilities it holds, which a pod's do not include, ask for the same);
+ *   - from its first instruction it holds two descriptors, the context and the caller's
+ *     own /dev/fuse (whose number, set as "fd", the kernel may look up at CMD_CREATE):
+ *     the agent closes its socket to this process and the caller's pidfd before the
+ *     fork, and reports by its exit status;
+ *   - every signal it can block is blocked. The node's uid 0 (a hostUsers: true pod's
+ *     root) may still SIGKILL or SIGSTOP it: the agent waits for stops too, ends a
+ *     stopped step, and the request fails at once saying why; the context goes with this
+ *     process, and nothing was recorded or attached.
+ * The agent lives in the broker's PID and mount namespaces, which no pod sees, and dies
+ * with this process (PR_SET_PDEATHSIG), as the step dies with the agent; a step whose
+ * agent died before its PR_SET_PDEATHSIG makes its one call and exits. */
+/* The agent's exit status says how the step went (the agent holds no channel to this
+ * process while the step lives, so that the step inherits none): */
+#define STEP_CREATED 0 /* 1..127: the errno of FSCONFIG_CMD_CREATE */
+#define STEP_KILLED 128 /* + the signal that ended the step */
+#define STEP_STOPPED 200 /* + the signal that stopped it (then the agent ended it) */
+#define STEP_NO_SETNS 240 /* setns into the caller's PID namespace failed: errno sent */
+#define STEP_NO_FORK 241
+#define STEP_DUMPABLE 242 /* the step found itself dumpable, and did nothing */
+#define STEP_NO_CONTEXT 243
+#define STEP_LOST 244 /* the agent could not wait for the step or send setns's errno */
+
+/* Close every descriptor but keep[0..n-1] (sorted, ascending). */
+static void keep_only(const int *keep, int n)
+{
+	unsigned lo = 0;
+
+	for (int i = 0; i <= n; i++) {
+		unsigned hi = i < n ? (unsigned)keep[i] : ~0u;
+		if (hi > lo && syscall(SYS_close_range_, lo, hi - 1, 0) == -1)
+			for (unsigned fd = lo; fd < hi && fd < 65536; fd++)
+				close((int)fd); /* before Linux 5.9 */
+		lo = hi + 1;
+	}
+}
+
+/* The step: in the caller's PID namespace, with the node's credentials, holding the
+ * context and the caller's /dev/fuse and nothing else from its first instruction. */
+static void step(int fs)
+{
+	prctl(PR_SET_PDEATHSIG, SIGKILL);
+	if (prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) != 0)
+		_exit(STEP_DUMPABLE);
+	if (syscall(SYS_fsconfig_, fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) == -1)
+		_exit(errno > 0 && errno < STEP_KILLED ? errno : EIO);
+	_exit(STEP_CREATED);
+}
+
+/* The agent: waits for a context, has the step create its superblock, and exits with how
+ * that went. */
+static void agent(int sock, int pidfd, int fuse, pid_t parent)
+{
+	char byte, control[CMSG_SPACE(sizeof(int))];
+	struct iovec io = { &byte, 1 };
+	struct msghdr msg = { 0 };
+	struct cmsghdr *cmsg;
+	sigset_t all;
+	int fs = -1, status, keep[3] = { sock, pidfd, fuse };
+	pid_t child;
+
+	prctl(PR_SET_PDEATHSIG, SIGKILL);
+	if (getppid() != parent)
+		_exit(STEP_LOST); /* the helper is gone already */
+	for (int i = 0; i < 2; i++) /* sorted, for keep_only */
+		for (int j = 0; j < 2 - i; j++)
+			if (keep[j] > keep[j + 1]) {
+				int t = keep[j];
+				keep[j] = keep[j + 1];
+				keep[j + 1] = t;
+			}
+	keep_only(keep, 3);
+	msg.msg_iov = &io;
+	msg.msg_iovlen = 1;
+	msg.msg_control = control;
+	msg.msg_controllen = sizeof(control);
+	if (recvmsg(sock, &msg, 0) != 1 || !(cmsg = CMSG_FIRSTHDR(&msg))
+	    || cmsg->cmsg_type != SCM_RIGHTS)
+		_exit(STEP_NO_CONTEXT); /* or no mount to make: the request ended before */
+	memcpy(&fs, CMSG_DATA(cmsg), sizeof(int));
+	if (setns(pidfd, CLONE_NEWPID) == -1) {
+		int err = errno;
+		_exit(send(sock, &err, sizeof(err), MSG_NOSIGNAL) == (ssize_t)sizeof(err)
+		      ? STEP_NO_SETNS : STEP_LOST);
+	}
+	close(sock);
+	close(pidfd);
+	/* Only SIGKILL and SIGSTOP reach the step; the mask is inherited at fork. */
+	sigfillset(&all);
+	sigprocmask(SIG_BLOCK, &all, NULL);
+	child = fork();
+	if (child == -1)
+		_exit(STEP_NO_FORK);
+	if (child == 0)
+		step(fs);
+	close(fs);
+	close(fuse);
+	while (waitpid(child, &status, WUNTRACED) == -1)
+		if (errno != EINTR)
+			_exit(STEP_LOST);
+	if (WIFSTOPPED(status)) {
+		kill(child, SIGKILL);
+		while (waitpid(child, NULL, 0) == -1 && errno == EINTR)
+			;
+		_exit(STEP_STOPPED + (WSTOPSIG(status) & 31));
+	}
+	if (WIFSIGNALED(status))
+		_exit(STEP_KILLED + WTERMSIG(status));
+	_exit(WEXITSTATUS(status));
+}
+
+static pid_t agent_pid = -1;
+
+/* Forks the agent, before this process takes on the caller's ids or namespaces; returns
+ * this end of the socket pair to it. */
+static int start_agent(int pidfd, int fuse)
+{
+	int pair[2];
+	pid_t parent = getpid();
+
+	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) == -1)
+		failed("socketpair");
+	agent_pid = fork();
+	if (agent_pid == -1)
+		failed("fork the agent");
+	if (agent_pid == 0)
+		agent(pair[1], pidfd, fuse, parent);
+	close(pair[1]);
+	return pair[0];
+}
+
+/* The step's one call, made in the caller's PID namespace by the agent's child. */
+static void create_in_pidns(int agent_sock, int fs)
+{
+	char byte = 0, control[CMSG_SPACE(sizeof(int))] = { 0 };
+	struct iovec io = { &byte, 1 };
+	struct msghdr msg = { 0 };
+	struct cmsghdr *cmsg;
+	int status, code, err = 0;
+	const char *why = "a process of the caller's may have sent it";
+
+	msg.msg_iov = &io;
+	msg.msg_iovlen = 1;
+	msg.msg_control = control;
+	msg.msg_controllen = sizeof(control);
+	cmsg = CMSG_FIRSTHDR(&msg);
+	cmsg->cmsg_level = SOL_SOCKET;
+	cmsg->cmsg_type = SCM_RIGHTS;
+	cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+	memcpy(CMSG_DATA(cmsg), &fs, sizeof(int));
+	if (sendmsg(agent_sock, &msg, MSG_NOSIGNAL) != 1)
+		failed("hand the mount's context to the agent");
+	while (waitpid(agent_pid, &status, 0) == -1)
+		if (errno != EINTR)
+			failed("wait for the agent");
+	if (!WIFEXITED(status))
+		finish("failed", "the agent that makes the mount's step in the caller's PID "
+		       "namespace was ended by signal %d", WTERMSIG(status));
+	code = WEXITSTATUS(status);
+	if (code == STEP_NO_SETNS) {
+		if (recv(agent_sock, &err, sizeof(err), MSG_DONTWAIT) != (ssize_t)sizeof(err))
+			err = 0;
+		errno = err;
+		failed("setns pid");
+	}
+	close(agent_sock);
+	if (code == STEP_CREATED)
+		return;
+	if (code < STEP_KILLED) {
+		errno = code;
+		failed("create the FUSE superblock");
+	}
+	if (code > STEP_KILLED && code <= STEP_KILLED + 64)
+		finish("failed", "the mount's step in the caller's PID namespace was ended by "
+		       "signal %d (%s): %s", code - STEP_KILLED, strsignal(code - STEP_KILLED), why);
+	if (code > STEP_STOPPED && code < STEP_STOPPED + 32)
+		finish("failed", "the mount's step in the caller's PID namespace was stopped by "
+		       "signal %d (%s), and given up: %s", code - STEP_STOPPED,
+		       strsignal(code - STEP_STOPPED), why);
+	finish("failed", "the mount's step in the caller's PID namespace %s",
+	       code == STEP_NO_FORK ? "could not be forked"
+	       : code == STEP_DUMPABLE ? "was dumpable: not made"
+	       : "ended without saying how it went");
+}
+
+/* Build the FUSE mount as the verdict says: the context in the current (the caller's)
+ * user namespace, its superblock in the caller's PID namespace (create_in_pidns), the
+ * mount here; returns the detached mount's fd. */
+static int build(int agent_sock, int fuse, const struct fields *v, uid_t uid, gid_t gid)
 {
 	char text[32];
 	unsigned attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV;
@@ -860,8 +1066,7 @@ static int build(int fuse, const struct fields *v, uid_t uid, gid_t gid)
 			finish("failed", "mount option %s: %s", one, strerror(errno));
 		p += len + (p[len] == ',');
 	}
-	if (syscall(SYS_fsconfig_, fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) == -1)
-		failed("create the FUSE superblock");
+	create_in_pidns(agent_sock, fs);
 	attrs |= has_option(get(v, "attrs"), "ro") ? MOUNT_ATTR_RDONLY : 0;
 	attrs |= has_option(get(v, "attrs"), "noexec") ? MOUNT_ATTR_NOEXEC : 0;
 	attrs |= has_option(get(v, "attrs"), "noatime") ? MOUNT_ATTR_NOATIME : 0;
@@ -869,58 +1074,6 @@ static int build(int fuse, const struct fields *v, uid_t uid, gid_t gid)
 	if (mnt == -1)
 		failed("fsmount");
 	close(fs);
-	return mnt;
-}
-
-/* The superblock takes the PID namespace of the process that creates it (the kernel
- * names every requester to the daemon by its pid there, and pid 0 for processes outside
- * it): so it is built by a child in the caller's PID namespace (setns(CLONE_NEWPID)
- * applies to children only), which hands the detached mount back and exits. Nothing
- * the child does waits on a tenant (the FUSE INIT is sent asynchronously); a failure
- * it reports itself, over the broker's socket. Returns the detached mount's fd. */
-static int build_in_pidns(int pidfd, int fuse, const struct fields *v, uid_t uid, gid_t gid)
-{
-	int pair[2], mnt = -1, status;
-	char byte, control[CMSG_SPACE(sizeof(int))];
-	struct iovec io = { &byte, 1 };
-	struct msghdr msg = { 0 };
-	struct cmsghdr *cmsg;
-	pid_t child;
-
-	if (setns(pidfd, CLONE_NEWPID) == -1)
-		failed("setns pid");
-	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) == -1)
-		failed("socketpair");
-	child = fork();
-	if (child == -1)
-		failed("fork");
-	if (child == 0) {
-		prctl(PR_SET_PDEATHSIG, SIGKILL);
-		close(pair[0]);
-		mnt = build(fuse, v, uid, gid);
-		msg.msg_iov = &io;
-		msg.msg_iovlen = 1;
-		msg.msg_control = control;
-		msg.msg_controllen = sizeof(control);
-		cmsg = CMSG_FIRSTHDR(&msg);
-		cmsg->cmsg_level = SOL_SOCKET;
-		cmsg->cmsg_type = SCM_RIGHTS;
-		cmsg->cmsg_len = CMSG_LEN(sizeof(int));
-		memcpy(CMSG_DATA(cmsg), &mnt, sizeof(int));
-		_exit(sendmsg(pair[1], &msg, MSG_NOSIGNAL) == 1 ? 0 : 1);
-	}
-	close(pair[1]);
-	msg.msg_iov = &io;
-	msg.msg_iovlen = 1;
-	msg.msg_control = control;
-	msg.msg_controllen = sizeof(control);
-	if (recvmsg(pair[0], &msg, MSG_CMSG_CLOEXEC) == 1 && (cmsg = CMSG_FIRSTHDR(&msg))
-	    && cmsg->cmsg_type == SCM_RIGHTS)
-		memcpy(&mnt, CMSG_DATA(cmsg), sizeof(int));
-	close(pair[0]);
-	waitpid(child, &status, 0);
-	if (mnt == -1)
-		_exit(1); /* the child said why, or died: the broker sees this exit */
 	return mnt;
 }
 
@@ -1021,7 +1174,7 @@ static void verify(int proc, int mnt, const struct fields *v, uid_t uid, gid_t g
 	    "dev", m->dev, "point", m->point, "options", m->options, "super", m->super, NULL);
 }
 
-static void mount_op(int proc, int pidfd, int fuse, const struct fields *req)
+static void mount_op(int proc, int agent_sock, int fuse, const struct fields *req)
 {
 	static char buf[MAX_FRAME];
 	char mode[16], owner[16], writable[2] = "-", root[2], mount[24];
@@ -1061,7 +1214,7 @@ static void mount_op(int proc, int pidfd, int fuse, const struct fields *req)
 	hear(buf, ANSWER, VERDICT_FIELDS, "go", &verdict);
 	if (strcmp(get(&verdict, "go"), "1") != 0)
 		_exit(0);
-	mnt = build_in_pidns(pidfd, fuse, &verdict, uid, gid);
+	mnt = build(agent_sock, fuse, &verdict, uid, gid);
 	announce_and_attach(mnt, target, uid, gid);
 	verify(proc, mnt, &verdict, uid, gid);
 }
@@ -1105,7 +1258,7 @@ int main(int argc, char *argv[])
 {
 	static char buf[MAX_FRAME];
 	struct fields req;
-	int pidfd, mntns, userns = -1, proc, mount, fuse = -1;
+	int pidfd, mntns, userns = -1, proc, mount, fuse = -1, agent_sock = -1;
 
 	if (argc != 4 && argc != 5) {
 		fprintf(stderr, "usage: fuse-broker-helper CTLFD PIDFD MNTNSFD [USERNSFD]\n");
@@ -1115,7 +1268,8 @@ int main(int argc, char *argv[])
 	 * of the tenant's user namespace could otherwise ptrace the helper (its creds then
 	 * belong to that namespace) or read its memory through /proc. Changing the fsuid in
 	 * become_caller has the same effect only where suid_dumpable is 0 and the fsuid
-	 * changes (not for a node-root caller). */
+	 * changes (not for a node-root caller). Its children inherit it: the agent, and the
+	 * step in the caller's PID namespace (build), whose ids are the node's. */
 	if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == -1)
 		failed("prctl PR_SET_DUMPABLE");
 	ctl = (int)number(argv[1], 1 << 20);
@@ -1130,8 +1284,12 @@ int main(int argc, char *argv[])
 	proc = open("/proc", O_PATH | O_DIRECTORY | O_CLOEXEC);
 	if (proc == -1)
 		failed("open /proc");
-	if (mount)
+	if (mount) {
 		fuse = take_fuse_fd(proc, pidfd, get(&req, "fuse_fd"));
+		/* Forked before this process takes the caller's ids and user namespace: the
+		 * agent's, and its step's, credentials stay the node's (build). */
+		agent_sock = start_agent(pidfd, fuse);
+	}
 	become_caller(&req);
 	if (userns != -1 && setns(userns, CLONE_NEWUSER) == -1)
 		failed("setns user");
@@ -1140,7 +1298,7 @@ int main(int argc, char *argv[])
 	if (setfsuid((uid_t)-1) != 0)
 		drop_dac();
 	if (mount)
-		mount_op(proc, pidfd, fuse, &req);
+		mount_op(proc, agent_sock, fuse, &req);
 	else
 		unmount_op(proc, &req);
 	return 0;
