@@ -15,7 +15,7 @@ stage's own: state, data and logs, containerd's root and socket, and ports.
 
 Network: a bridge of our own (BRIDGE) carries the node's address NODE_IP and the pods'
 /24. Pods get no default route and the host does not forward, so pod traffic reaches the
-node and other pods and nothing else. The API server listens on 127.0.0.1 only.
+node and other pods and nothing else. The API server listens on the bridge address only.
 """
 
 from __future__ import annotations
@@ -60,7 +60,11 @@ ETCD_CLIENT, ETCD_PEER = 23790, 23800
 APISERVER_PORT = 16443
 KUBELET_PORT, KUBELET_HEALTHZ = 10350, 10348
 CONTROLLER_MANAGER_PORT, SCHEDULER_PORT = 10357, 10359
-SERVER = f"https://127.0.0.1:{APISERVER_PORT}"
+# On the node's bridge address only (no other interface of this machine): this machine and
+# the pods reach it there, so a pod that talks to the API server (the DRA driver) needs no
+# kube-proxy and no host network (which would forbid its DaemonSet's surge rollout: two
+# pods of one node on the same host port).
+SERVER = f"https://{NODE_IP}:{APISERVER_PORT}"
 # The installer DaemonSet writes its AppArmor profiles to the host's /etc/apparmor.d.
 HOST_APPARMOR = Path("/etc/apparmor.d")
 APPARMOR_GLOB = "fuse-device-plugin-*"
@@ -283,7 +287,7 @@ class Cluster(Node):
         self.spawn("kube-apiserver", [
             str(self.bins / "kube-apiserver"),
             f"--etcd-servers=http://127.0.0.1:{ETCD_CLIENT}",
-            "--bind-address=127.0.0.1", f"--secure-port={APISERVER_PORT}",
+            f"--bind-address={NODE_IP}", f"--secure-port={APISERVER_PORT}",
             f"--advertise-address={NODE_IP}",
             f"--tls-cert-file={p}/apiserver.crt", f"--tls-private-key-file={p}/apiserver.key",
             f"--client-ca-file={p}/ca.crt",

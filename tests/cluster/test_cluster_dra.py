@@ -6,8 +6,8 @@ per claim that containerd 2 reads.
 
 One change to the shipped manifests, for this cluster only: it has no kube-proxy, so the
 driver cannot reach the API server through the `kubernetes` Service's address; the test's
-kustomization puts the driver on the host network and points it at the API server's
-loopback address (KUBERNETES_SERVICE_HOST/PORT, which in-cluster clients read).
+kustomization points it at the API server's address on the node's bridge, which pods
+reach (KUBERNETES_SERVICE_HOST/PORT, which in-cluster clients read).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.cluster import gpu
-from tests.cluster.cluster import APISERVER_PORT, NODE_NAME, Api, Cluster, Kubectl
+from tests.cluster.cluster import APISERVER_PORT, NODE_IP, NODE_NAME, Api, Cluster, Kubectl
 from tests.cluster.kube import (
     APPLY,
     EXAMPLES_NS,
@@ -62,9 +62,9 @@ def driver_overlay(overlay: Path, image: str, components: tuple[str, ...] = ("dr
     dst.mkdir(exist_ok=True)
     patch = {"apiVersion": "apps/v1", "kind": "DaemonSet",
              "metadata": {"name": DRIVER_DS, "namespace": PLUGIN_NS},
-             "spec": {"template": {"spec": {"hostNetwork": True, "containers": [{
+             "spec": {"template": {"spec": {"containers": [{
                  "name": "driver", "env": [
-                     {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+                     {"name": "KUBERNETES_SERVICE_HOST", "value": NODE_IP},
                      {"name": "KUBERNETES_SERVICE_PORT", "value": str(APISERVER_PORT)}]}]}}}}
     name, _, tag = image.rpartition(":")
     write_json(dst / "kustomization.yaml", {
