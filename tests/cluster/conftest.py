@@ -106,6 +106,9 @@ def cluster(evidence_file: Path, udev_fuse: None) -> Iterator[Cluster]:
         yield c
     finally:
         c.down()
+        # Now, not when the Cluster is collected: a failed test's traceback keeps it (and
+        # its lock) alive, and the next module's cluster would wait on this one for ever.
+        c.unlock()
 
 
 @pytest.fixture(scope="module")
