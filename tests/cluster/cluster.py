@@ -292,6 +292,9 @@ class Cluster(Node):
             f"--tls-cert-file={p}/apiserver.crt", f"--tls-private-key-file={p}/apiserver.key",
             f"--client-ca-file={p}/ca.crt",
             "--authorization-mode=Node,RBAC",
+            # As kubeadm and the managed services set it: the GPU proof's privileged pod
+            # shows what `privileged: true` hands a pod (Pod Security still governs who).
+            "--allow-privileged=true",
             # PodSecurity is on by default (1.25+): the namespaces' labels are enforced.
             "--enable-admission-plugins=NodeRestriction",
             f"--service-cluster-ip-range={SERVICE_RANGE}",
