@@ -47,6 +47,15 @@ SYS_DENIALS = (
     ("deny /sys/devices/virtual/powercap/** rwklx,", "energy counters (side channel)"),
     ("deny /sys/kernel/security/** rwklx,", "the LSM interfaces, this policy included"),
 )
+# What the runtime's masked paths hide (containerd's defaults, /dev/null or a read-only
+# tmpfs over each), for pods whose /proc is unmasked (procMount: Unmasked, which the
+# rootless-build preset's pods need): AppArmor refuses reading them instead.
+# /proc/kcore, /sys/firmware and powercap are refused in full above.
+MASKED_READ_DENIALS = (
+    ("deny @{PROC}/{keys,latency_stats,timer_list,timer_stats,sched_debug} rwklx,",
+     "what the runtime's masks hide, for a pod with procMount: Unmasked"),
+    ("deny @{PROC}/{acpi,asound,scsi}/** rwklx,", ""),
+)
 PROTECTED = "{" + ",".join(validate.PROTECTED_TREES) + "}{,/**}"
 # The same without /proc, for profiles that bind files over /proc (see proc_mount_denials).
 PROTECTED_BUT_PROC = "{" + ",".join(
@@ -145,6 +154,8 @@ def render(preset_name: str, name: str | None = None, mountpoint: str | None = N
         "",
     ]
     lines += _commented(PROC_DENIALS)
+    if preset.nested_containers:
+        lines += _commented(MASKED_READ_DENIALS)
     lines.append("")
     lines += _commented(SYS_DENIALS)
     lines += _mount_rules(preset, glob)

@@ -10,6 +10,7 @@ import pytest
 
 from fuse_plugin import cli, profiles
 from fuse_plugin.profiles import apparmor, lint, presets, seccomp, validate
+from tests.lib import oci
 
 PRESETS = sorted(profiles.PRESETS)
 FUSE_PRESETS = [name for name in PRESETS if name not in ("lxcfs", "rootless-build")]
@@ -195,6 +196,18 @@ def test_rootless_build_apparmor_profile() -> None:
     for kept in ("deny @{PROC}/kcore rwklx,", "deny /sys/kernel/security/** rwklx,",
                  "deny @{PROC}/sys/[^k]** w,"):
         assert kept in rules
+    # Its pods unmask /proc (procMount: Unmasked): what the runtime's masks hide, AppArmor
+    # refuses to read. Every masked path of the runtime is covered.
+    assert "deny @{PROC}/{keys,latency_stats,timer_list,timer_stats,sched_debug} rwklx," \
+        in rules
+    assert "deny @{PROC}/{acpi,asound,scsi}/** rwklx," in rules
+    covered = {f"/proc/{name}" for name in ("keys", "latency_stats", "timer_list",
+                                            "timer_stats", "sched_debug", "acpi", "asound",
+                                            "scsi", "kcore")}
+    covered |= {"/sys/firmware", "/sys/devices/virtual/powercap"}
+    assert set(oci.MASKED_PATHS) <= covered
+    for preset in FUSE_PRESETS:
+        assert "timer_list" not in profiles.render_apparmor(preset)
     assert lint.apparmor(text) == []
     with pytest.raises(profiles.ProfileError, match="takes no --mountpoint"):
         profiles.render_apparmor(BUILD, mountpoint="/storage")
