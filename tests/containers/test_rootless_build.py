@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import re
 import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,8 +45,11 @@ UNSHARE_REFUSED = "Error during unshare(CLONE_NEWUSER): Operation not permitted"
 # runc (1.1) in the build's user namespace, where the kernel refuses a new procfs while
 # the container's /proc has mounts over parts of it (mount_too_revealing).
 MASKED_PROC = re.compile(r"mount proc:/proc .*: operation not permitted")
+# runc (1.1) when its child's unshare() of the namespaces is refused (a cgroup one here).
+CHILD_FAILED = "error waiting for our first child to exit: exit status 1"
 # After the script, in the same container: what it ran as, and what its layers are.
 FACTS = """
+echo "CGROUPFS $(stat -f -c %T /sys/fs/cgroup)"
 echo "CAPS $(sed -n 's/^CapEff:[[:space:]]*//p' /proc/self/status)"
 echo "UIDMAP $(cat /proc/self/uid_map)"
 echo "DRIVER $(buildah info --format '{{.store.GraphDriverName}}')"
@@ -54,19 +59,35 @@ buildah unshare sh -c 'echo "MOUNTED $(grep " $(buildah mount "$1") " /proc/self
 """
 
 
-@pytest.fixture(scope="module")
-def context(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The ConfigMap's volume: its keys as files."""
-    for tool in ("buildah", "podman", "runc", "busybox"):
-        if shutil.which(tool) is None:
-            pytest.fail(f"{tool} is not installed: scripts/install --dev installs it from "
-                        "scripts/apt-packages.txt")
-    directory = tmp_path_factory.mktemp("configmap")
-    for key, text in CONFIGMAP["data"].items():
+def configmap_volume(directory: Path, data: dict[str, str]) -> Path:
+    """A ConfigMap's volume: its keys as files."""
+    for key, text in data.items():
         (directory / key).write_text(text)
         (directory / key).chmod(0o644)
     directory.chmod(0o755)
     return directory
+
+
+@pytest.fixture(scope="module")
+def context(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    for tool in ("buildah", "podman", "runc", "busybox"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} is not installed: scripts/install --dev installs it from "
+                        "scripts/apt-packages.txt")
+    return configmap_volume(tmp_path_factory.mktemp("configmap"), CONFIGMAP["data"])
+
+
+@pytest.fixture(scope="module")
+def cgroup2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A cgroup v2 hierarchy to show the build at /sys/fs/cgroup, as a 1.37 node has
+    (the kubelet refuses cgroup v1 by default since 1.35; this machine may be on v1)."""
+    path = tmp_path_factory.mktemp("cgroup2")
+    subprocess.run(["mount", "-t", "cgroup2", "cgroup2", str(path)], check=True,
+                   capture_output=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False, capture_output=True)
 
 
 def empty_dir(path: Path) -> Path:
@@ -77,9 +98,10 @@ def empty_dir(path: Path) -> Path:
 
 
 def builder(runc: oci.Runc, context: Path, profile: str | dict[str, object],
-            proc_unmasked: bool = True) -> oci.RuncContainer:
+            proc_unmasked: bool = True, cgroup2: Path | None = None) -> oci.RuncContainer:
     """The example's container: its uid, capabilities, privilege escalation, procMount,
-    environment and volumes, with the given seccomp profile."""
+    environment and volumes, with the given seccomp profile; ``cgroup2`` is bound over
+    /sys/fs/cgroup, read-only."""
     sc = CONTAINER["securityContext"]
     volumes = {v["name"]: v for v in pod_spec(POD)["volumes"]}
     binds = [oci.Bind(context, m["mountPath"], readonly=True) if "configMap" in volumes[
@@ -94,7 +116,11 @@ def builder(runc: oci.Runc, context: Path, profile: str | dict[str, object],
         proc_unmasked=proc_unmasked, readonly_rootfs=sc["readOnlyRootFilesystem"],
         host_network=False, env={e["name"]: e["value"] for e in CONTAINER["env"]},
         binds=binds)
-    return runc.create(oci.build_spec(request), "build").start()
+    spec = oci.build_spec(request)
+    if cgroup2 is not None:
+        spec["mounts"].append({"destination": "/sys/fs/cgroup", "type": "bind",
+                               "source": str(cgroup2), "options": ["rbind", "ro"]})
+    return runc.create(spec, "build").start()
 
 
 def build(container: oci.RuncContainer, then: str = "") -> oci.Result:
@@ -116,10 +142,12 @@ def test_example_runs_the_build_script_it_ships() -> None:
     assert localhost == profiles.seccomp_localhost_profile("rootless-build")
 
 
+@pytest.mark.parametrize("cgroups", ["this-machine", "v2"])
 def test_buildah_and_podman_build_and_run_images_as_uid_1000(
-        context: Path, runc: oci.Runc) -> None:
+        context: Path, runc: oci.Runc, request: pytest.FixtureRequest, cgroups: str) -> None:
     preset = profile_of(CONTAINER)
-    container = builder(runc, context, profiles.render_seccomp(preset))
+    hierarchy = request.getfixturevalue("cgroup2") if cgroups == "v2" else None
+    container = builder(runc, context, profiles.render_seccomp(preset), cgroup2=hierarchy)
     result = build(container, FACTS)
     print(f"\n[the example's build, {preset}] rc={result.returncode}\n{result.stdout[-4000:]}")
     result.check()
@@ -137,6 +165,8 @@ def test_buildah_and_podman_build_and_run_images_as_uid_1000(
     assert tagged(out, "DRIVER") == "overlay"
     assert " - overlay overlay " in tagged(out, "MOUNTED")
     assert not Path(f"/proc/{container.pid}/root/dev/fuse").exists()
+    if hierarchy is not None:
+        assert tagged(out, "CGROUPFS") == "cgroup2fs"
 
 
 def profile_of(container: Doc) -> str:
@@ -169,3 +199,31 @@ def test_masked_proc_fails_the_first_run_step(context: Path, runc: oci.Runc) -> 
     assert "Successfully tagged localhost/base:latest" in result.output
     assert 'Error: building at STEP "RUN echo built in stage one' in result.output
     assert MASKED_PROC.search(result.output)
+
+
+@pytest.mark.usefixtures("context")
+@pytest.mark.parametrize("cgroup_namespaces", [False, True], ids=["refused", "allowed"])
+def test_on_cgroup_v2_runs_need_cgroupns_host_because_the_profile_refuses_cgroup_namespaces(
+        tmp_path: Path, cgroup2: Path, runc: oci.Runc, cgroup_namespaces: bool) -> None:
+    """The example's script without ``--cgroupns host`` on cgroup v2: RUN steps ask for a
+    cgroup namespace of their own, which the preset refuses (the control: the preset
+    with cgroup namespaces added lets the same script through)."""
+    data = {**CONFIGMAP["data"],
+            "build.sh": CONFIGMAP["data"]["build.sh"].replace(" --cgroupns host", "")}
+    assert data["build.sh"] != CONFIGMAP["data"]["build.sh"]
+    preset = profiles.PRESETS[profile_of(CONTAINER)]
+    if cgroup_namespaces:
+        preset = dataclasses.replace(preset, new_namespaces=(*preset.new_namespaces, "cgroup"))
+    (tmp_path / "configmap").mkdir()
+    volume = configmap_volume(tmp_path / "configmap", data)
+    container = builder(runc, volume, seccomp.build(preset), cgroup2=cgroup2)
+    result = build(container)
+    print(f"\n[cgroup v2, no --cgroupns host, cgroup namespaces {cgroup_namespaces}] "
+          f"rc={result.returncode}: {result.output[-600:]}")
+    if cgroup_namespaces:
+        result.check()
+        assert tagged(result.stdout, "RAN podman:") == IMAGE_OUTPUT
+    else:
+        assert result.returncode != 0
+        assert 'Error: building at STEP "RUN echo built in stage one' in result.output
+        assert CHILD_FAILED in result.output

@@ -97,11 +97,14 @@ def test_storage_is_overlay_on_the_empty_dir() -> None:
     assert CONTAINER["securityContext"]["readOnlyRootFilesystem"] is True
 
 
-def test_every_build_and_run_uses_the_pods_network() -> None:
+def test_every_build_and_run_uses_the_pods_network_and_cgroup_namespaces() -> None:
+    """The profile lets no build make a network or cgroup namespace."""
     script = CONFIGMAP["data"]["build.sh"]
     commands = re.findall(r"\b(?:buildah|podman) (?:build|run)\b[^\n]*", script)
     assert len(commands) == 4
-    assert all("--network host" in command for command in commands), commands
+    for command in commands:
+        assert "--network host" in command, command
+        assert "--cgroupns host" in command, command
 
 
 @pytest.mark.parametrize("word", ["FROM localhost/base AS builder", "COPY hello.txt",
