@@ -101,7 +101,9 @@ def namespace_flags(names: tuple[str, ...]) -> int:
 # strace (buildah 1.28, podman 4.3, runc 1.1; tests/containers/test_rootless_build.py):
 # - unshare/clone of a user namespace (buildah and podman re-execute themselves in one),
 #   then mount, UTS, IPC and PID namespaces (runc's container for a RUN step). Never a
-#   network namespace (`--network host`: RUN uses the pod's), nor cgroup or time ones;
+#   network namespace (`--network host`: RUN uses the pod's), a cgroup one (`--cgroupns
+#   host`, which cgroup v2 nodes need: a cgroup namespace and a v1 mount were
+#   CVE-2022-0492's way out) or a time one;
 # - mount/umount2: the overlay layer stacks, runc's /proc, /dev, binds and masks;
 # - pivot_root: runc's root, and containers/storage applying a layer;
 # - chroot: buildah's COPY and layer copies chroot into the image's root (the runtime
