@@ -174,21 +174,15 @@ def _header(preset: presets.Preset, name: str, command: str) -> list[str]:
         lines += [
             "# The container runtime's default confinement, except for the mounts below: the",
             "# ones a rootless build makes in mount namespaces of its own user namespaces.",
-            "# For pods with hostUsers: false and no capabilities only.",
+            "# For pods with hostUsers: false and no capabilities only. No user namespace",
+            "# rule: compiled by AppArmor 3.0 (the installer's) it does not mediate user",
+            "# namespaces at all (docs/profiles.md, rootless-build).",
             "",
         ]
     else:
         lines += [
             "# The container runtime's default confinement, except that the FUSE mounts below",
             "# are allowed; every other mount stays denied.",
-            "",
-        ]
-    if preset.apparmor_abi:
-        lines += [
-            "# Compiled for this policy ABI by every apparmor_parser, whatever the kernel",
-            "# offers: it has no user namespace rules, so the kernel does not ask this",
-            "# profile before a user namespace is made (docs/profiles.md, rootless-build).",
-            f"abi <abi/{preset.apparmor_abi}>,",
             "",
         ]
     return lines

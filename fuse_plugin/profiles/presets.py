@@ -52,9 +52,6 @@ class Preset:
     # not deny mounts on /proc, /sys and /dev, where their runtime masks each container's
     # own /proc and /sys after pivot_root. The kernel bounds those mounts (docs/profiles.md).
     nested_containers: bool = False
-    # Pin the AppArmor policy ABI (``abi <abi/VERSION>,``), so that every apparmor_parser
-    # compiles the profile for the same kernel features.
-    apparmor_abi: str | None = None
 
 
 _FUSE_SYSCALLS = ("mount", "umount2")
@@ -186,7 +183,6 @@ PRESETS: dict[str, Preset] = {
             enosys=("keyctl",),
             extra_apparmor=ROOTLESS_BUILD_RULES,
             nested_containers=True,
-            apparmor_abi="3.0",
         ),
     )
 }

@@ -175,9 +175,9 @@ def test_a_preset_without_the_build_additions_is_the_runtime_default() -> None:
 def test_rootless_build_apparmor_profile() -> None:
     text = profiles.render_apparmor(BUILD)
     rules = [lint.uncommented(line).strip() for line in text.splitlines()]
-    # Every parser compiles it for the 3.0 ABI: no user namespace rules to ask.
-    assert rules.index("abi <abi/3.0>,") < rules.index("@{PROC}=/proc/")
-    assert "userns," not in rules
+    # Neither an abi rule (a node without AppArmor has no /etc/apparmor.d/abi/ for the
+    # installer's parser to read) nor a userns rule (AppArmor 3.0 cannot parse it).
+    assert not [r for r in rules if r.startswith(("abi", "userns"))]
     assert "deny mount," not in rules
     mounts = [r for r in rules if r.startswith("mount ")]
     # Every mount rule names a filesystem type or options: no bare 'mount,'.

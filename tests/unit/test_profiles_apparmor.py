@@ -261,3 +261,16 @@ def test_rootless_build_rules_pass_what_buildah_and_podman_mount(tmp_path: Path)
     # that matter: sysfs and cgroup need a network or cgroup namespace of one's own, which
     # the seccomp profile never lets the build create.
     assert rules.allows("/mnt/", "sysfs", "sysfs", MS_RDONLY)
+
+
+@pytest.mark.parametrize("preset", sorted(profiles.PRESETS))
+def test_profile_parses_with_an_empty_apparmor_d(tmp_path: Path, preset: str) -> None:
+    """In the installer's pod /etc/apparmor.d is the node's: empty on a node without
+    AppArmor's tools, where the profiles are still parse-checked. Nothing they name may
+    come from there (an `abi` or `include` would)."""
+    base = tmp_path / "apparmor.d"
+    base.mkdir()
+    path = tmp_path / profiles.apparmor_name(preset)
+    path.write_text(profiles.render_apparmor(preset))
+    result = parse(path, "--base", str(base))
+    assert result.returncode == 0, result.stderr
