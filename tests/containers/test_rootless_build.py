@@ -10,9 +10,10 @@ both images.
 The controls show what makes it work: the same preset without what it adds to the
 runtime default fails at buildah's first step with the error a 1.37 cluster showed under
 RuntimeDefault, and the masked /proc of ``procMount: Default`` fails the first RUN step.
-No /dev/fuse: the kernel's overlay mounts in the build's own user namespace. What differs
-from a node: the image is this machine's /usr (its buildah 1.28, podman 4.3, runc 1.1),
-and no AppArmor (this kernel has none).
+No /dev/fuse: the kernel's overlay mounts in the build's own user namespace (and
+fuse-overlayfs, with the pod's /dev/fuse, where it cannot). What differs from a node: the
+image is this machine's /usr (its buildah 1.28, podman 4.3, runc 1.1), and no AppArmor
+(this kernel has none).
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from pathlib import Path
 import pytest
 
 from fuse_plugin import profiles
+from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.profiles import seccomp
 from tests.lib import oci
 from tests.lib.manifests import EXAMPLES, Doc, containers, one, pod_spec
+from tests.lib.node import UDEV_MODE, host_fuse_mode
 
 EXAMPLE = EXAMPLES / "rootless-build" / "build-pod.yaml"
 POD = one(EXAMPLE, "Pod")
@@ -70,7 +73,7 @@ def configmap_volume(directory: Path, data: dict[str, str]) -> Path:
 
 @pytest.fixture(scope="module")
 def context(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    for tool in ("buildah", "podman", "runc", "busybox"):
+    for tool in ("buildah", "podman", "runc", "busybox", "fuse-overlayfs"):
         if shutil.which(tool) is None:
             pytest.fail(f"{tool} is not installed: scripts/install --dev installs it from "
                         "scripts/apt-packages.txt")
@@ -97,18 +100,21 @@ def empty_dir(path: Path) -> Path:
     return path
 
 
-def builder(runc: oci.Runc, context: Path, profile: str | dict[str, object],
-            proc_unmasked: bool = True, cgroup2: Path | None = None) -> oci.RuncContainer:
+def builder(runc: oci.Runc, context: Path, profile: str | dict[str, object], *,
+            proc_unmasked: bool = True, cgroup2: Path | None = None,
+            allocation: api.ContainerAllocateResponse | None = None) -> oci.RuncContainer:
     """The example's container: its uid, capabilities, privilege escalation, procMount,
     environment and volumes, with the given seccomp profile; ``cgroup2`` is bound over
-    /sys/fs/cgroup, read-only."""
+    /sys/fs/cgroup, read-only; ``allocation`` is the plugin's answer for a container that
+    also asks for ``github.com/fuse``."""
     sc = CONTAINER["securityContext"]
     volumes = {v["name"]: v for v in pod_spec(POD)["volumes"]}
     binds = [oci.Bind(context, m["mountPath"], readonly=True) if "configMap" in volumes[
         m["name"]] else oci.Bind(empty_dir(runc.base / m["name"]), m["mountPath"])
         for m in CONTAINER["volumeMounts"]]
     request = oci.ContainerRequest(
-        args=["sleep", "infinity"], user=(sc["runAsUser"], sc["runAsGroup"]),
+        args=["sleep", "infinity"], allocation=allocation,
+        user=(sc["runAsUser"], sc["runAsGroup"]),
         host_users=pod_spec(POD)["hostUsers"], drop_capabilities=tuple(
             sc["capabilities"]["drop"]), add_capabilities=tuple(
             sc["capabilities"].get("add", [])),
@@ -227,3 +233,30 @@ def test_on_cgroup_v2_runs_need_cgroupns_host_because_the_profile_refuses_cgroup
         assert result.returncode != 0
         assert 'Error: building at STEP "RUN echo built in stage one' in result.output
         assert CHILD_FAILED in result.output
+
+
+@pytest.mark.usefixtures("context")
+def test_fuse_overlayfs_in_the_builds_own_user_namespace(
+        tmp_path: Path, runc: oci.Runc, allocation: api.ContainerAllocateResponse) -> None:
+    """Where the kernel refuses overlay in a user namespace: fuse-overlayfs as the
+    storage's mount program, mounting FUSE itself in the build's user namespace with the
+    pod's /dev/fuse (``github.com/fuse: 1``, the node's node at 0666), no broker. Under
+    the seccomp profile only: containers/storage starts fuse-overlayfs without nosuid,
+    which the AppArmor profile's FUSE rules require (docs/profiles.md)."""
+    storage = CONFIGMAP["data"]["storage.conf"] + (
+        'mount_program = "/usr/bin/fuse-overlayfs"\n')
+    (tmp_path / "configmap").mkdir()
+    volume = configmap_volume(tmp_path / "configmap", {**CONFIGMAP["data"],
+                                                      "storage.conf": storage})
+    with host_fuse_mode(UDEV_MODE):
+        container = builder(runc, volume, profiles.render_seccomp(profile_of(CONTAINER)),
+                            allocation=allocation)
+        result = build(container, FACTS)
+    print(f"\n[fuse-overlayfs] rc={result.returncode}: {result.stdout[-1500:]}")
+    result.check()
+    assert tagged(result.stdout, "RAN buildah:") == IMAGE_OUTPUT
+    assert tagged(result.stdout, "RAN podman:") == IMAGE_OUTPUT
+    mounted = tagged(result.stdout, "MOUNTED")
+    assert " - fuse.fuse-overlayfs fuse-overlayfs " in mounted
+    # Without nosuid: what keeps this way off AppArmor nodes.
+    assert "nosuid" not in mounted.split(" - ")[0]
