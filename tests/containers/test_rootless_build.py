@@ -260,3 +260,56 @@ def test_fuse_overlayfs_in_the_builds_own_user_namespace(
     assert " - fuse.fuse-overlayfs fuse-overlayfs " in mounted
     # Without nosuid: what keeps this way off AppArmor nodes.
     assert "nosuid" not in mounted.split(" - ")[0]
+
+
+def without(addition: str) -> profiles.Preset:
+    """The preset without one of its additions: ``namespace-NAME``, a system call, or
+    ``enosys-NAME`` (the call then gets EPERM, as the runtime default answers)."""
+    preset = profiles.PRESETS[profile_of(CONTAINER)]
+    kind, _, name = addition.rpartition("-")
+    if kind == "namespace":
+        assert name in preset.new_namespaces
+        return dataclasses.replace(
+            preset, new_namespaces=tuple(n for n in preset.new_namespaces if n != name))
+    if kind == "enosys":
+        assert name in preset.enosys
+        return dataclasses.replace(preset, enosys=tuple(c for c in preset.enosys
+                                                        if c != name))
+    assert addition in preset.syscalls
+    return dataclasses.replace(
+        preset, syscalls=tuple(c for c in preset.syscalls if c != addition))
+
+
+# Each addition left out, and what buildah, podman or their runc then says.
+NEEDED = {
+    "namespace-user": UNSHARE_REFUSED,
+    "namespace-mount": "Error during unshare(...): Operation not permitted",
+    "namespace-uts": "failed to unshare remaining namespaces",
+    "namespace-ipc": "failed to unshare remaining namespaces",
+    "namespace-pid": "failed to unshare remaining namespaces",
+    "mount": "mount /var/lib/build/storage/overlay",
+    "umount2": "/merged, flags: 0x2: operation not permitted",  # umount ...
+    "chroot": 'chrooting to directory "',
+    "pivot_root": "pivot_root .: operation not permitted",
+    "sethostname": "sethostname: operation not permitted",
+    "setns": "cannot set user namespace",
+    "enosys-keyctl": "unable to join session keyring",
+}
+
+
+def test_the_list_covers_every_addition() -> None:
+    preset = profiles.PRESETS[profile_of(CONTAINER)]
+    assert set(NEEDED) == {*preset.syscalls, *(f"namespace-{n}" for n in preset.new_namespaces),
+                           *(f"enosys-{c}" for c in preset.enosys)}
+
+
+@pytest.mark.parametrize("name", sorted(NEEDED))
+def test_each_addition_is_needed(context: Path, runc: oci.Runc, name: str) -> None:
+    """What the preset allows beyond the runtime default, one item at a time: without it
+    the example's script fails, with that item's error."""
+    container = builder(runc, context, seccomp.build(without(name)))
+    result = build(container)
+    print(f"\n[without {name}] rc={result.returncode}: {result.output[-1500:]}")
+    assert result.returncode != 0
+    assert NEEDED[name] in result.output
+    assert "RAN podman:" not in result.output
