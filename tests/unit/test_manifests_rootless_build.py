@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import copy
 import re
+import shutil
+import subprocess
 
+import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
 from fuse_plugin import profiles
 from tests.lib.manifests import (
     EXAMPLES,
+    VERSIONS,
     baseline_violations,
     containers,
     docs,
@@ -28,6 +32,24 @@ POD = one(HERE / "build-pod.yaml", "Pod")
 CONFIGMAP = one(HERE / "build-pod.yaml", "ConfigMap")
 [CONTAINER] = containers(POD)
 PRESET = "rootless-build"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("name", ["namespace.yaml", "build-pod.yaml"])
+def test_every_document_validates_strictly(name: str, version: str) -> None:
+    for doc in docs(HERE / name):
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_kustomize_builds_it() -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: `kubectl kustomize` not checked here")
+    built = subprocess.run([kubectl, "kustomize", str(HERE)], capture_output=True,
+                           text=True, check=False, timeout=60)
+    assert built.returncode == 0, built.stderr
+    kinds = sorted(doc["kind"] for doc in yaml.safe_load_all(built.stdout) if doc)
+    assert kinds == ["ConfigMap", "Namespace", "Pod"]
 
 
 def test_kustomization_applies_the_namespace_and_the_pod_into_it() -> None:
