@@ -121,8 +121,6 @@ ROOTLESS_BUILD_RULES = (
     "mount fstype=tmpfs -> /**,",
     "mount fstype=devpts options=(rw,nosuid,noexec) -> /**,",
     "mount fstype=mqueue options=(rw,nosuid,nodev,noexec) -> /**,",
-    "mount fstype=cgroup2 options=(rw,nosuid,nodev,noexec) -> /**,",
-    "mount fstype=cgroup2 options=(ro,nosuid,nodev,noexec) -> /**,",
     "mount options=(bind) -> /**,",
     "mount options=(rbind) -> /**,",
     "mount options=(private) -> /{,**},",
