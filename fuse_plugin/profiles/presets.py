@@ -40,6 +40,18 @@ class Preset:
     # Files directly in /proc the workload may bind over from the same name under
     # <mountpoint>/proc/ (lxcfs's files); every other mount on /proc stays denied.
     proc_binds: tuple[str, ...] = ()
+    # Namespaces clone() and unshare() may create (keys of NAMESPACE_FLAGS), each call's
+    # flags checked by seccomp; the others stay refused. lxcfs's ``namespaces`` instead
+    # lets clone/clone3 through unchecked.
+    new_namespaces: tuple[str, ...] = ()
+    # Answered ENOSYS ("not here") instead of the default EPERM, for programs that carry on
+    # without the call only then; still refused.
+    enosys: tuple[str, ...] = ()
+    # The program runs containers of its own, in user namespaces of its own (rootless
+    # builds): the AppArmor profile then allows their mounts (``extra_apparmor``) and does
+    # not deny mounts on /proc, /sys and /dev, where their runtime masks each container's
+    # own /proc and /sys after pivot_root. The kernel bounds those mounts (docs/profiles.md).
+    nested_containers: bool = False
 
 
 _FUSE_SYSCALLS = ("mount", "umount2")
@@ -65,6 +77,61 @@ _LXCFS_RULES = (
 # What lxcfs serves that a workload binds over its own /proc, in a child mount namespace
 # (manifests/examples/lxcfs-daemonset.yaml; tests/unit/test_manifests.py keeps the two equal).
 LXCFS_PROC_FILES = ("cpuinfo", "diskstats", "loadavg", "meminfo", "stat", "swaps", "uptime")
+
+# CLONE_NEW* (linux/sched.h) by namespace. CLONE_NEWTIME shares its bit with clone()'s
+# exit signal, so only unshare() can name it.
+NAMESPACE_FLAGS = {
+    "time": 0x00000080, "mount": 0x00020000, "cgroup": 0x02000000, "uts": 0x04000000,
+    "ipc": 0x08000000, "user": 0x10000000, "pid": 0x20000000, "net": 0x40000000,
+}
+
+
+def namespace_flags(names: tuple[str, ...]) -> int:
+    flags = 0
+    for name in names:
+        flags |= NAMESPACE_FLAGS[name]
+    return flags
+
+
+# rootless-build: buildah and podman as a non-root uid of a `hostUsers: false` pod, building
+# with the kernel's overlay in user namespaces of their own (docs/profiles.md). Traced with
+# strace (buildah 1.28, podman 4.3, runc 1.1; tests/containers/test_rootless_build.py):
+# - unshare/clone of a user namespace (buildah and podman re-execute themselves in one),
+#   then mount, UTS, IPC and PID namespaces (runc's container for a RUN step). Never a
+#   network namespace (`--network host`: RUN uses the pod's), a cgroup one (`--cgroupns
+#   host`, which cgroup v2 nodes need: a cgroup namespace and a v1 mount were
+#   CVE-2022-0492's way out) or a time one;
+# - mount/umount2: the overlay layer stacks, runc's /proc, /dev, binds and masks;
+# - pivot_root: runc's root, and containers/storage applying a layer;
+# - chroot: buildah's COPY and layer copies chroot into the image's root (the runtime
+#   default allows chroot only with CAP_SYS_CHROOT in the pod, which this pod drops);
+# - sethostname: runc names the RUN step's UTS namespace;
+# - setns: podman's later commands join the user and mount namespace its pause process
+#   keeps.
+# keyctl answers ENOSYS: runc (podman run) joins a new session keyring unless the call is
+# missing, and the keyrings are not per container, so it stays refused.
+_BUILD_NAMESPACES = ("user", "mount", "uts", "ipc", "pid")
+# AppArmor: the mounts those namespaces hold, by filesystem type (the paths depend on the
+# storage directory and, after pivot_root, on the build container's root, so they are
+# not narrowed). Options as AppArmor compares them: a bind's and a propagation change's
+# only flags are bind/rec and the propagation type (the kernel drops the others first).
+ROOTLESS_BUILD_RULES = (
+    "mount fstype=overlay -> /**,",
+    "mount fstype=proc options=(rw,nosuid,nodev,noexec) -> /**,",
+    "mount fstype=tmpfs -> /**,",
+    "mount fstype=devpts options=(rw,nosuid,noexec) -> /**,",
+    "mount fstype=mqueue options=(rw,nosuid,nodev,noexec) -> /**,",
+    "mount options=(bind) -> /**,",
+    "mount options=(rbind) -> /**,",
+    "mount options=(private) -> /{,**},",
+    "mount options=(rprivate) -> /{,**},",
+    "mount options=(rslave) -> /{,**},",
+    "mount options=(remount,bind,ro) -> /**,",
+    "mount options=(remount,bind,ro,nosuid,nodev,noexec) -> /**,",
+    "mount options=(remount,rbind,ro,nosuid,nodev,noexec) -> /**,",
+    "mount options=(remount,bind,nosuid,nodev,noexec) -> /**,",
+    "pivot_root /**,",
+)
 
 PRESETS: dict[str, Preset] = {
     preset.name: preset for preset in (
@@ -101,6 +168,19 @@ PRESETS: dict[str, Preset] = {
             extra_apparmor=_LXCFS_RULES,
             extra_umounts=("/", "/run/lxcfs/controllers/"),
             proc_binds=LXCFS_PROC_FILES,
+        ),
+        Preset(
+            name="rootless-build",
+            summary="buildah/podman as a non-root user of a hostUsers: false pod: user, "
+                    "mount, UTS, IPC and PID namespaces of its own, overlay, RUN steps; "
+                    "never for hostUsers: true pods",
+            capabilities=(),
+            syscalls=("mount", "umount2", "pivot_root", "chroot", "sethostname", "setns"),
+            fuse_fstypes=("fuse.fuse-overlayfs", "fuse"),
+            new_namespaces=_BUILD_NAMESPACES,
+            enosys=("keyctl",),
+            extra_apparmor=ROOTLESS_BUILD_RULES,
+            nested_containers=True,
         ),
     )
 }

@@ -30,7 +30,16 @@ PERSONALITIES = (0x0, 0x0008, 0x20000, 0x20008, 0xFFFFFFFF)
 # namespaces unless the preset needs to (the runtime's rule for containers without
 # CAP_SYS_ADMIN, which ours have).
 CLONE_NAMESPACE_FLAGS = 0x7E020000
+# The same for unshare(), which can also name CLONE_NEWTIME.
+UNSHARE_NAMESPACE_FLAGS = CLONE_NAMESPACE_FLAGS | presets.NAMESPACE_FLAGS["time"]
 ENOSYS = 38
+
+
+def _flags_clear(name: str, refused: int) -> dict[str, Any]:
+    """``name`` allowed when none of the ``refused`` bits is set in its first argument."""
+    return {"names": [name], "action": "SCMP_ACT_ALLOW",
+            "args": [{"index": 0, "value": refused, "valueTwo": 0,
+                      "op": "SCMP_CMP_MASKED_EQ"}]}
 
 
 def _names(resource: str) -> tuple[str, ...]:
@@ -55,9 +64,12 @@ def known_syscalls() -> frozenset[str]:
     return frozenset(_names("known_syscalls.txt"))
 
 
-def build(preset_name: str) -> dict[str, Any]:
-    """The profile as a dict in OCI ``LinuxSeccomp`` form (what ``render`` serialises)."""
-    preset = presets.get(preset_name)
+def build(preset_name: str | presets.Preset) -> dict[str, Any]:
+    """The profile as a dict in OCI ``LinuxSeccomp`` form (what ``render`` serialises).
+
+    A ``Preset`` instead of a name builds that one (the tests' controls: a preset without
+    some of what it adds)."""
+    preset = presets.get(preset_name) if isinstance(preset_name, str) else preset_name
     base = set(runtime_default_syscalls())
     extras = [name for name in preset.syscalls if name not in base]
     syscalls: list[dict[str, Any]] = [
@@ -71,16 +83,20 @@ def build(preset_name: str) -> dict[str, Any]:
     if preset.namespaces:
         syscalls.append({"names": ["clone", "clone3"], "action": "SCMP_ACT_ALLOW"})
     else:
-        syscalls.append({
-            "names": ["clone"], "action": "SCMP_ACT_ALLOW",
-            "args": [{"index": 0, "value": CLONE_NAMESPACE_FLAGS, "valueTwo": 0,
-                      "op": "SCMP_CMP_MASKED_EQ"}],
-        })
+        # clone() may create only the preset's namespaces (none for the FUSE presets):
+        # allowed when the flags it may not use are all clear.
+        allowed = presets.namespace_flags(preset.new_namespaces)
+        syscalls.append(_flags_clear("clone", CLONE_NAMESPACE_FLAGS & ~allowed))
         # ENOSYS, not EPERM: glibc then falls back to clone(), whose flags are checked
         # above (seccomp cannot look into clone3's argument struct).
         syscalls.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS})
+        if preset.new_namespaces:
+            syscalls.append(_flags_clear("unshare", UNSHARE_NAMESPACE_FLAGS & ~allowed))
     if extras:
         syscalls.append({"names": extras, "action": "SCMP_ACT_ALLOW"})
+    if preset.enosys:
+        syscalls.append({"names": list(preset.enosys), "action": "SCMP_ACT_ERRNO",
+                         "errnoRet": ENOSYS})
     return {
         "defaultAction": "SCMP_ACT_ERRNO",
         "architectures": list(ARCHITECTURES),

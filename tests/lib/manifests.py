@@ -50,9 +50,17 @@ BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSET
                          "SETUID", "SYS_CHROOT"}
 
 
+def user_namespaced(doc: Doc) -> bool:
+    """``hostUsers: false``: since policy version 1.35 (k8s.io/pod-security-admission,
+    ``relaxPolicyForUserNamespacePod``) baseline allows any procMount in such a pod, and
+    restricted waives runAsNonRoot and runAsUser; restricted still refuses procMount."""
+    return pod_spec(doc).get("hostUsers") is False
+
+
 def baseline_violations(doc: Doc) -> list[str]:
     """The Pod Security `baseline` rules (kubernetes.io/docs/concepts/security/
-    pod-security-standards) that a pod spec can break, each broken one named."""
+    pod-security-standards, policy version latest) that a pod spec can break, each broken
+    one named."""
     spec = pod_spec(doc)
     found = [f"host namespace {k}" for k in ("hostNetwork", "hostPID", "hostIPC")
              if spec.get(k)]
@@ -68,7 +76,7 @@ def baseline_violations(doc: Doc) -> list[str]:
         found += [f"{container['name']}: adds {cap}" for cap in sorted(added)]
         found += [f"{container['name']}: hostPort" for p in container.get("ports", [])
                   if p.get("hostPort")]
-        if context.get("procMount") not in (None, "Default"):
+        if context.get("procMount") not in (None, "Default") and not user_namespaced(doc):
             found.append(f"{container['name']}: procMount")
     for context in contexts:
         if context.get("seccompProfile", {}).get("type") == "Unconfined":
@@ -101,9 +109,10 @@ def restricted_violations(doc: Doc) -> list[str]:
         found += [f"volume {volume['name']}: type {kind}"
                   for kind in sorted(set(volume) - {"name"} - RESTRICTED_VOLUMES)]
     pod = spec.get("securityContext", {})
-    if pod.get("runAsNonRoot") is False:
+    userns = user_namespaced(doc)
+    if pod.get("runAsNonRoot") is False and not userns:
         found.append("pod: runAsNonRoot false")
-    if pod.get("runAsUser") == 0:
+    if pod.get("runAsUser") == 0 and not userns:
         found.append("pod: runAsUser 0")
     pod_seccomp = pod.get("seccompProfile", {}).get("type")
     if pod_seccomp not in (None, *RESTRICTED_SECCOMP):
@@ -112,10 +121,12 @@ def restricted_violations(doc: Doc) -> list[str]:
         name, context = container["name"], container.get("securityContext", {})
         if context.get("allowPrivilegeEscalation") is not False:
             found.append(f"{name}: allowPrivilegeEscalation not false")
-        if context.get("runAsNonRoot", pod.get("runAsNonRoot")) is not True:
+        if context.get("runAsNonRoot", pod.get("runAsNonRoot")) is not True and not userns:
             found.append(f"{name}: runAsNonRoot not true")
-        if context.get("runAsUser") == 0:
+        if context.get("runAsUser") == 0 and not userns:
             found.append(f"{name}: runAsUser 0")
+        if context.get("procMount") not in (None, "Default") and userns:
+            found.append(f"{name}: procMount")  # baseline named it for other pods
         seccomp = context.get("seccompProfile", {}).get("type", pod_seccomp)
         if seccomp not in RESTRICTED_SECCOMP:
             found.append(f"{name}: seccomp {seccomp or 'not set'}")

@@ -108,7 +108,8 @@ class ContainerRequest(base.ContainerRequest):
     ``no_new_privileges`` is allowPrivilegeEscalation: false; ``host_users: False`` runs
     it in a user namespace as the kubelet does for ``hostUsers: false``; ``privileged``
     gets what containerd gives a privileged container, with ``host_dev`` as the host's
-    /dev (a fake one, for the GPU tests).
+    /dev (a fake one, for the GPU tests); ``proc_unmasked`` is ``procMount: Unmasked``
+    (containerd then leaves out the masked and read-only /proc and /sys paths).
     """
 
     memory_limit: int | None = None
@@ -120,6 +121,7 @@ class ContainerRequest(base.ContainerRequest):
     host_users: bool = True
     privileged: bool = False
     host_dev: Path = Path("/dev")
+    proc_unmasked: bool = False  # procMount: Unmasked
 
 
 def host_devices(dev_dir: Path) -> list[tuple[str, str]]:
@@ -162,6 +164,9 @@ def build_spec(request: base.ContainerRequest) -> Spec:
         linux["resources"]["cpu"] = {"cpus": request.cpuset}
     if request.cpu_shares is not None:
         linux["resources"].setdefault("cpu", {})["shares"] = request.cpu_shares
+    if request.proc_unmasked:
+        linux["maskedPaths"] = []
+        linux["readonlyPaths"] = []
     if request.privileged:
         _privileged(spec, request)
     if not request.host_users:

@@ -27,6 +27,11 @@ OPS = {"SCMP_CMP_NE": pyseccomp.NE, "SCMP_CMP_LT": pyseccomp.LT, "SCMP_CMP_LE": 
        "SCMP_CMP_EQ": pyseccomp.EQ, "SCMP_CMP_GE": pyseccomp.GE, "SCMP_CMP_GT": pyseccomp.GT,
        "SCMP_CMP_MASKED_EQ": pyseccomp.MASKED_EQ}
 CLONE_NEWNS, CLONE_FS, CLONE_THREAD = 0x00020000, 0x00000200, 0x00010000
+CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWCGROUP = 0x10000000, 0x40000000, 0x02000000
+CLONE_NEWTIME = 0x00000080
+# Not an unshare() flag: the kernel refuses the call (EINVAL) once seccomp lets it through,
+# so these probes never leave the probe in a new namespace.
+UNSHARE_BAD = 0x00000001
 READ_IMPLIES_EXEC = 0x0400000
 
 # probe name -> (system call, arguments)
@@ -49,6 +54,18 @@ PROBES: dict[str, tuple[str, tuple[int, ...]]] = {
     "reboot": ("reboot", (0, 0, 0, 0)),                      # bad magic: EINVAL
     "init_module": ("init_module", (0, 0, 0)),
     "ptrace": ("ptrace", (-1, 0, 0, 0)),                     # bad request: EIO/ESRCH
+    # THREAD without SIGHAND: EINVAL once through the filter.
+    "clone_newuser": ("clone", (CLONE_NEWUSER | CLONE_THREAD, 0, 0, 0, 0)),
+    "clone_newnet": ("clone", (CLONE_NEWNET | CLONE_THREAD, 0, 0, 0, 0)),
+    "clone_newcgroup": ("clone", (CLONE_NEWCGROUP | CLONE_THREAD, 0, 0, 0, 0)),
+    "unshare_newuser_newns": ("unshare", (CLONE_NEWUSER | CLONE_NEWNS | UNSHARE_BAD,)),
+    "unshare_newnet": ("unshare", (CLONE_NEWNET | UNSHARE_BAD,)),
+    "unshare_newcgroup": ("unshare", (CLONE_NEWCGROUP | UNSHARE_BAD,)),
+    "unshare_newtime": ("unshare", (CLONE_NEWTIME | UNSHARE_BAD,)),
+    "sethostname": ("sethostname", (0, 1000)),               # longer than 64: EINVAL
+    "keyctl": ("keyctl", (0x7FFFFFFF, 0, 0, 0, 0)),          # no such operation
+    "fsopen": ("fsopen", (0, 0)),                            # NULL name: EFAULT
+    "io_uring_setup": ("io_uring_setup", (0, 0)),            # no entries: EINVAL/EFAULT
 }
 
 

@@ -360,7 +360,7 @@ def test_apparmor_off_warns(healthy: Path, run_doctor: Run, enabled: str | None,
 def test_apparmor_profiles_loaded_in_enforce_mode(healthy: Path, run_doctor: Run) -> None:
     _, lines, _ = run_doctor(healthy)
     assert lines["apparmor profiles"]["detail"] == (
-        "loaded in enforce mode: s3fs, sshfs, generic, lxcfs")
+        "loaded in enforce mode: s3fs, sshfs, generic, lxcfs, rootless-build")
 
 
 def test_apparmor_profiles_missing_or_in_complain_mode_warn(healthy: Path,
@@ -371,7 +371,7 @@ def test_apparmor_profiles_missing_or_in_complain_mode_warn(healthy: Path,
     line = lines["apparmor profiles"]
     assert line["verdict"] == "warn"
     assert line["detail"] == ("loaded in complain mode, not enforce: sshfs; not loaded: "
-                              "generic, lxcfs; ok: s3fs")
+                              "generic, lxcfs, rootless-build; ok: s3fs")
     assert "install-profiles" in line["fix"]
     assert code == 0
 
@@ -399,7 +399,7 @@ def test_securityfs_not_mounted_warns(healthy: Path, run_doctor: Run) -> None:
 def test_seccomp_profiles_present(healthy: Path, run_doctor: Run) -> None:
     _, lines, _ = run_doctor(healthy)
     assert lines["seccomp profiles"]["detail"] == (
-        f"in /{SECCOMP_DIR}: s3fs, sshfs, generic, lxcfs")
+        f"in /{SECCOMP_DIR}: s3fs, sshfs, generic, lxcfs, rootless-build")
 
 
 def test_seccomp_profiles_missing_warn_and_fail_when_named(healthy: Path,
@@ -407,7 +407,7 @@ def test_seccomp_profiles_missing_warn_and_fail_when_named(healthy: Path,
     shutil.rmtree(healthy / SECCOMP_DIR)
     code, lines, _ = run_doctor(healthy)
     assert (lines["seccomp profiles"]["verdict"], lines["seccomp profiles"]["detail"]) == (
-        "warn", "missing: s3fs, sshfs, generic, lxcfs")
+        "warn", "missing: s3fs, sshfs, generic, lxcfs, rootless-build")
     assert f"--seccomp-dir /{SECCOMP_DIR}" in lines["seccomp profiles"]["fix"]
     assert code == 0
     code, lines, _ = run_doctor(healthy, "--preset", "sshfs")
@@ -426,7 +426,7 @@ def test_seccomp_profiles_the_kubelet_could_not_use_fail(healthy: Path,
     code, lines, _ = run_doctor(healthy)
     assert (lines["seccomp profiles"]["verdict"], lines["seccomp profiles"]["detail"]) == (
         "fail", "unreadable (not valid JSON): s3fs; is not an OCI seccomp profile "
-        "(no defaultAction): sshfs; does not allow mount: lxcfs; ok: generic")
+        "(no defaultAction): sshfs; does not allow mount: lxcfs; ok: generic, rootless-build")
     assert code == 1
 
 

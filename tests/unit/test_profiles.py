@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,9 +10,10 @@ import pytest
 
 from fuse_plugin import cli, profiles
 from fuse_plugin.profiles import apparmor, lint, presets, seccomp, validate
+from tests.lib import oci
 
 PRESETS = sorted(profiles.PRESETS)
-FUSE_PRESETS = [name for name in PRESETS if name != "lxcfs"]
+FUSE_PRESETS = [name for name in PRESETS if name not in ("lxcfs", "rootless-build")]
 
 
 def allowed(profile: dict[str, object], *, with_args: bool = False) -> set[str]:
@@ -94,6 +96,122 @@ def test_seccomp_lint_catches_what_runc_would_accept_silently() -> None:
 
 
 # -- AppArmor -----------------------------------------------------------------------------
+
+# -- rootless-build ------------------------------------------------------------------------
+
+BUILD = "rootless-build"
+CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
+CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x08000000, 0x10000000, 0x20000000
+CLONE_NEWNET, CLONE_NEWTIME = 0x40000000, 0x00000080
+
+
+def rules_for(profile: dict[str, object], name: str) -> list[dict[str, object]]:
+    return [e for e in profile["syscalls"] if name in e["names"]]  # type: ignore[attr-defined]
+
+
+def passes(rules: list[dict[str, object]], flags: int) -> bool:
+    """Whether an ALLOW rule lets the call through with ``flags`` as its first argument
+    (the masked comparison libseccomp makes: arg & value == valueTwo)."""
+    for rule in rules:
+        if rule["action"] != "SCMP_ACT_ALLOW":
+            continue
+        args = rule.get("args") or []
+        if all(flags & a["value"] == a["valueTwo"] for a in args):  # type: ignore[attr-defined]
+            return True
+    return False
+
+
+def test_rootless_build_seccomp_adds_exactly_what_a_nested_build_needs() -> None:
+    profile = json.loads(profiles.render_seccomp(BUILD))
+    base = set(seccomp.runtime_default_syscalls())
+    assert allowed(profile) - base == {"mount", "umount2", "pivot_root", "chroot",
+                                       "sethostname", "setns"}
+    # unshare/clone only with the namespaces a build makes: user (the re-exec), then
+    # mount, UTS, IPC and PID (runc's container for RUN); never net, cgroup or time.
+    for call in ("unshare", "clone"):
+        rules = rules_for(profile, call)
+        assert passes(rules, 0)
+        for flags in (CLONE_NEWUSER, CLONE_NEWNS, CLONE_NEWUSER | CLONE_NEWNS,
+                      CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWPID):
+            assert passes(rules, flags), (call, hex(flags))
+        for flags in (CLONE_NEWNET, CLONE_NEWCGROUP, CLONE_NEWUSER | CLONE_NEWNET,
+                      CLONE_NEWNS | CLONE_NEWCGROUP):
+            assert not passes(rules, flags), (call, hex(flags))
+    assert not passes(rules_for(profile, "unshare"), CLONE_NEWTIME)
+    assert rules_for(profile, "clone3") == [
+        {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38}]
+    # keyctl: ENOSYS, so runc goes on without a session keyring; never allowed.
+    assert rules_for(profile, "keyctl") == [
+        {"names": ["keyctl"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38}]
+    names = allowed(profile, with_args=True)
+    for refused in ("bpf", "kexec_load", "open_by_handle_at", "init_module", "keyctl",
+                    "add_key", "request_key", "fsopen", "fsmount", "move_mount",
+                    "open_tree", "mount_setattr", "io_uring_setup", "perf_event_open",
+                    "userfaultfd", "setdomainname", "clone3"):
+        assert refused not in names, refused
+    assert lint.seccomp_text(profiles.render_seccomp(BUILD)) == []
+
+
+def test_rootless_build_needs_no_capability_and_the_fuse_presets_stay_closed() -> None:
+    assert profiles.PRESETS[BUILD].capabilities == ()
+    for preset in FUSE_PRESETS:
+        profile = json.loads(profiles.render_seccomp(preset))
+        assert not passes(rules_for(profile, "clone"), CLONE_NEWUSER)
+        assert rules_for(profile, "unshare") == []
+        assert rules_for(profile, "keyctl") == []
+
+
+def test_a_preset_without_the_build_additions_is_the_runtime_default() -> None:
+    """The container test's control: the same preset without what it adds beyond the
+    runtime default allows no new namespace at all."""
+    bare = dataclasses.replace(profiles.PRESETS[BUILD], syscalls=(), new_namespaces=(),
+                               enosys=())
+    profile = seccomp.build(bare)
+    assert allowed(profile) == set(seccomp.runtime_default_syscalls())
+    assert not passes(rules_for(profile, "clone"), CLONE_NEWUSER)
+    assert rules_for(profile, "unshare") == []
+
+
+def test_rootless_build_apparmor_profile() -> None:
+    text = profiles.render_apparmor(BUILD)
+    rules = [lint.uncommented(line).strip() for line in text.splitlines()]
+    # Neither an abi rule (a node without AppArmor has no /etc/apparmor.d/abi/ for the
+    # installer's parser to read) nor a userns rule (AppArmor 3.0 cannot parse it).
+    assert not [r for r in rules if r.startswith(("abi", "userns"))]
+    assert "deny mount," not in rules
+    mounts = [r for r in rules if r.startswith("mount ")]
+    # Every mount rule names a filesystem type or options: no bare 'mount,'.
+    assert all("fstype=" in r or "options=" in r for r in mounts)
+    fuse = [r for r in mounts if "fstype=fuse" in r]
+    assert fuse
+    assert all("nosuid,nodev" in r for r in fuse)
+    assert {r.split()[1] for r in fuse} == {"fstype=fuse.fuse-overlayfs", "fstype=fuse"}
+    types = {r.split()[1].removeprefix("fstype=") for r in mounts if "fstype=" in r}
+    assert types == {"fuse.fuse-overlayfs", "fuse", "overlay", "proc", "tmpfs", "devpts",
+                     "mqueue"}
+    assert "audit deny mount fstype=fuseblk," in rules
+    # The build containers' runtime masks their /proc and /sys: no denial there.
+    assert not [r for r in rules if "deny" in r and "mount" in r and "/proc" in r]
+    # The runtime default's file rules stay.
+    for kept in ("deny @{PROC}/kcore rwklx,", "deny /sys/kernel/security/** rwklx,",
+                 "deny @{PROC}/sys/[^k]** w,"):
+        assert kept in rules
+    # Its pods unmask /proc (procMount: Unmasked): what the runtime's masks hide, AppArmor
+    # refuses to read. Every masked path of the runtime is covered.
+    assert "deny @{PROC}/{keys,latency_stats,timer_list,timer_stats,sched_debug} rwklx," \
+        in rules
+    assert "deny @{PROC}/{acpi,asound,scsi}/** rwklx," in rules
+    covered = {f"/proc/{name}" for name in ("keys", "latency_stats", "timer_list",
+                                            "timer_stats", "sched_debug", "acpi", "asound",
+                                            "scsi", "kcore")}
+    covered |= {"/sys/firmware", "/sys/devices/virtual/powercap"}
+    assert set(oci.MASKED_PATHS) <= covered
+    for preset in FUSE_PRESETS:
+        assert "timer_list" not in profiles.render_apparmor(preset)
+    assert lint.apparmor(text) == []
+    with pytest.raises(profiles.ProfileError, match="takes no --mountpoint"):
+        profiles.render_apparmor(BUILD, mountpoint="/storage")
+
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_apparmor_profile_shape(preset: str) -> None:

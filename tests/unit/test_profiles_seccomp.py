@@ -88,3 +88,33 @@ def test_lxcfs_gets_its_namespace_calls(tmp_path: Path) -> None:
     for refused in ("kexec_load", "open_by_handle_at", "bpf", "reboot", "init_module",
                     "personality_exec"):
         assert results[refused] == MARKER, refused
+
+
+def test_rootless_build_lets_a_build_make_its_namespaces_and_nothing_more(
+        tmp_path: Path) -> None:
+    results = probe(tmp_path, "rootless-build")["results"]
+    # Through the filter; the kernel then refuses the harmless arguments.
+    assert results["clone_newuser"] == errno.EINVAL
+    assert results["clone_newns"] == errno.EINVAL
+    assert results["unshare_newuser_newns"] == errno.EINVAL
+    assert results["unshare"] == 0
+    assert results["mount"] == results["umount2"] == results["pivot_root"] == errno.EFAULT
+    assert results["chroot"] == errno.EFAULT
+    assert results["setns"] == errno.EBADF
+    assert results["sethostname"] == errno.EINVAL
+    # clone3 and keyctl answer ENOSYS: glibc falls back to clone(), runc goes on without
+    # a session keyring; neither reaches the kernel.
+    assert results["clone3"] == errno.ENOSYS
+    assert results["keyctl"] == errno.ENOSYS
+    # Refused by the filter: the other namespaces, and what the runtime default refuses.
+    for refused in ("clone_newnet", "clone_newcgroup", "unshare_newnet", "unshare_newcgroup",
+                    "unshare_newtime", "fsopen", "io_uring_setup", "kexec_load",
+                    "open_by_handle_at", "bpf", "reboot", "init_module", "personality_exec"):
+        assert results[refused] == MARKER, refused
+
+
+@pytest.mark.parametrize("preset", FUSE_PRESETS)
+def test_fuse_presets_make_no_user_namespace(tmp_path: Path, preset: str) -> None:
+    results = probe(tmp_path, preset)["results"]
+    for refused in ("clone_newuser", "unshare_newuser_newns", "sethostname", "keyctl"):
+        assert results[refused] == MARKER, refused

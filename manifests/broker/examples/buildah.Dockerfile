@@ -17,7 +17,8 @@ FROM debian:bookworm-slim
 # buildah pulls uidmap (newuidmap, unused here: no_new_privs, and no re-exec) and
 # containers-common (/etc/containers/policy.json, which commit and push read).
 # fuse-overlayfs pulls fuse3, whose fusermount3 the pod's shim replaces. No runc or crun:
-# RUN steps cannot work in these pods (see the pod's header).
+# RUN steps cannot work under RuntimeDefault (see the pod's header; with RUN steps:
+# manifests/examples/rootless-build/).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends buildah fuse-overlayfs \
     && rm -rf /var/lib/apt/lists/* \
@@ -53,6 +54,6 @@ ENV HOME=/var/lib/containers \
     XDG_RUNTIME_DIR=/var/lib/containers/run \
     TMPDIR=/var/lib/containers/tmp
 # RUN steps, if any, with chroot isolation, which needs no OCI runtime (none is installed).
-# They fail all the same: it creates a mount namespace (CAP_SYS_ADMIN) and chroots.
+# They fail all the same: it creates a mount namespace, which RuntimeDefault refuses.
 ENV BUILDAH_ISOLATION=chroot
 USER 0:0

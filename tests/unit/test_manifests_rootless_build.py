@@ -1,0 +1,146 @@
+"""manifests/examples/rootless-build/: the rootless image build (issue 36), as a reader
+applies it. Its script, ConfigMap and security context run for real in
+tests/containers/test_rootless_build.py; here, what admission and the profiles decide."""
+
+from __future__ import annotations
+
+import copy
+import re
+import shutil
+import subprocess
+
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from fuse_plugin import profiles
+from tests.lib.manifests import (
+    EXAMPLES,
+    VERSIONS,
+    baseline_violations,
+    containers,
+    docs,
+    host_paths,
+    one,
+    pod_spec,
+    restricted_violations,
+)
+
+HERE = EXAMPLES / "rootless-build"
+NAMESPACE = one(HERE / "namespace.yaml", "Namespace")
+POD = one(HERE / "build-pod.yaml", "Pod")
+CONFIGMAP = one(HERE / "build-pod.yaml", "ConfigMap")
+[CONTAINER] = containers(POD)
+PRESET = "rootless-build"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("name", ["namespace.yaml", "build-pod.yaml"])
+def test_every_document_validates_strictly(name: str, version: str) -> None:
+    for doc in docs(HERE / name):
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_kustomize_builds_it() -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: `kubectl kustomize` not checked here")
+    built = subprocess.run([kubectl, "kustomize", str(HERE)], capture_output=True,
+                           text=True, check=False, timeout=60)
+    assert built.returncode == 0, built.stderr
+    kinds = sorted(doc["kind"] for doc in yaml.safe_load_all(built.stdout) if doc)
+    assert kinds == ["ConfigMap", "Namespace", "Pod"]
+
+
+def test_kustomization_applies_the_namespace_and_the_pod_into_it() -> None:
+    kustomization = yaml.safe_load((HERE / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["namespace.yaml", "build-pod.yaml"]
+    name = NAMESPACE["metadata"]["name"]
+    assert {doc["metadata"]["namespace"] for doc in docs(HERE / "build-pod.yaml")} == {name}
+    assert CONTAINER["image"] in (HERE / "Dockerfile").read_text().split("docker build")[1]
+
+
+def test_namespace_enforces_baseline_and_warns_at_restricted() -> None:
+    labels = NAMESPACE["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "baseline"
+    assert labels["pod-security.kubernetes.io/warn"] == "restricted"
+    assert labels["pod-security.kubernetes.io/enforce-version"] == "latest"
+
+
+def test_baseline_admits_the_pod_and_restricted_refuses_only_its_proc_mount() -> None:
+    assert baseline_violations(POD) == []
+    assert restricted_violations(POD) == ["build: procMount"]
+    # Without it, the pod would be restricted-clean: nothing else keeps it out.
+    default = copy.deepcopy(POD)
+    default["spec"]["containers"][0]["securityContext"]["procMount"] = "Default"
+    assert restricted_violations(default) == []
+
+
+def test_proc_mount_unmasked_is_baseline_only_in_a_user_namespace() -> None:
+    host_users = copy.deepcopy(POD)
+    host_users["spec"]["hostUsers"] = True
+    assert baseline_violations(host_users) == ["build: procMount"]
+
+
+def test_the_pod_holds_nothing_but_its_profiles() -> None:
+    spec = pod_spec(POD)
+    assert spec["hostUsers"] is False
+    assert not host_paths(POD)
+    context = CONTAINER["securityContext"]
+    assert context["runAsUser"] == context["runAsGroup"] == 1000
+    assert context["runAsNonRoot"] is True
+    assert context["allowPrivilegeEscalation"] is False
+    assert context["capabilities"] == {"drop": ["ALL"]}
+    assert context["procMount"] == "Unmasked"
+    assert "privileged" not in context
+    # No /dev/fuse and no broker: the kernel's overlay in the build's user namespace.
+    assert "github.com/fuse" not in str(CONTAINER.get("resources"))
+    assert context["seccompProfile"] == {
+        "type": "Localhost", "localhostProfile": profiles.seccomp_localhost_profile(PRESET)}
+    assert context["appArmorProfile"] == {
+        "type": "Localhost", "localhostProfile": profiles.apparmor_name(PRESET)}
+    assert profiles.PRESETS[PRESET].capabilities == ()
+
+
+def test_storage_is_overlay_on_the_empty_dir() -> None:
+    storage = CONFIGMAP["data"]["storage.conf"]
+    env = {e["name"]: e["value"] for e in CONTAINER["env"]}
+    assert env["CONTAINERS_STORAGE_CONF"] == "/mnt/context/storage.conf"
+    assert 'driver = "overlay"' in storage
+    assert "mount_program" not in storage
+    empty_dirs = {m["mountPath"] for m in CONTAINER["volumeMounts"]
+                  if "emptyDir" in next(v for v in pod_spec(POD)["volumes"]
+                                        if v["name"] == m["name"])}
+    assert "/var/lib/build" in empty_dirs
+    written = [*re.findall(r'= "(/[^"]*)"', storage), env["HOME"], env["TMPDIR"],
+               env["XDG_RUNTIME_DIR"]]
+    for path in written:
+        assert path.startswith("/var/lib/build/"), path
+    assert CONTAINER["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_every_build_and_run_uses_the_pods_network_and_cgroup_namespaces() -> None:
+    """The profile lets no build make a network or cgroup namespace."""
+    script = CONFIGMAP["data"]["build.sh"]
+    commands = re.findall(r"\b(?:buildah|podman) (?:build|run)\b[^\n]*", script)
+    assert len(commands) == 4
+    for command in commands:
+        assert "--network host" in command, command
+        assert "--cgroupns host" in command, command
+
+
+@pytest.mark.parametrize("word", ["FROM localhost/base AS builder", "COPY hello.txt",
+                                  "COPY --from=builder", "RUN "])
+def test_containerfile_has_from_copy_run_and_two_stages(word: str) -> None:
+    assert word in CONFIGMAP["data"]["Containerfile"]
+    assert CONFIGMAP["data"]["Containerfile"].count("FROM ") == 2
+
+
+def test_image_runs_as_the_pods_user_with_the_tools_the_script_uses() -> None:
+    dockerfile = (HERE / "Dockerfile").read_text()
+    assert "useradd --uid 1000 " in dockerfile
+    assert "USER 1000:1000" in dockerfile
+    [install] = re.findall(r"apt-get install -y --no-install-recommends ([^&]*)&&",
+                           dockerfile.replace("\\\n", " "))
+    assert set(install.split()) == {"buildah", "podman", "runc", "busybox-static",
+                                    "ca-certificates"}
