@@ -49,14 +49,15 @@ OURS_LEFT = ("get", "resourceclaims", "-A", "-o",
 REMOVE_DRIVER = ("delete", "-A", "-l", "app.kubernetes.io/name=fuse-dra-driver",
                  "daemonset,serviceaccount,networkpolicy,deviceclass,clusterrole,"
                  "clusterrolebinding,validatingadmissionpolicy,validatingadmissionpolicybinding")
+# In /dev/shm: the example's root filesystem is read-only.
 READER = ("nohup setsid sh -c 'while :; do if cat /mnt/remote/switch.txt >/dev/null; "
-          "then echo ok; else echo FAIL; fi >> /tmp/reads; sleep 0.2; done' "
+          "then echo ok; else echo FAIL; fi >> /dev/shm/reads; sleep 0.2; done' "
           ">/dev/null 2>&1 &")
 
 
 def reads(kubectl: Kubectl) -> tuple[int, int]:
     """The reader's (good, failed) reads so far."""
-    out = exec_in(kubectl, EXAMPLES_NS, SSHFS_POD, "cat /tmp/reads").split()
+    out = exec_in(kubectl, EXAMPLES_NS, SSHFS_POD, "cat /dev/shm/reads").split()
     return out.count("ok"), out.count("FAIL")
 
 
