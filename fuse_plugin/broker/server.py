@@ -4,9 +4,10 @@ Follow a request from the socket to the mount here. The loop serves a
 ``SOCK_SEQPACKET`` socket in the broker directory, which Allocate binds into containers:
 
 1. accept: the kernel names the caller (``caller.identify``); per-container, per-pod and
-   node-wide limits on open connections; a connection that sent nothing is dropped at
-   its deadline. The socket refuses descriptors (``SO_PASSRIGHTS``), so a tenant cannot
-   make the loop own the last reference of a file whose close blocks.
+   node-wide limits on open connections (``shares``: each node-wide cap is a pod's share
+   times --max-pods); a connection that sent nothing is answered at its deadline. The
+   socket refuses descriptors (``SO_PASSRIGHTS``), so a tenant cannot make the loop own
+   the last reference of a file whose close blocks.
 2. the request arrives: ``Conversation.prepare`` (``conversation.py``) checks the
    message, the path and option rules (``policy``), admits a mount under the caps
    (``admission``: it takes a slot, which its record replaces or the end of the request
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fuse_plugin import files, logs, sockets
-from fuse_plugin.broker import budget, frames, mountinfo, node, policy, protocol, records
+from fuse_plugin.broker import budget, frames, mountinfo, node, policy, protocol, records, shares
 from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker.admission import Admission, Limits
 from fuse_plugin.broker.conversation import Conversation
@@ -52,18 +53,14 @@ from fuse_plugin.broker.settings import DEFAULT_SHIM, BrokerSettings
 from fuse_plugin.broker.stats import BrokerStats
 from fuse_plugin.errors import EXIT_USAGE, Failure
 
-# Connections open at once: per container (a tenant holding silent connections only
-# uses its own share) and for the node (the broker's fds).
-PER_CONTAINER = 4
-MAX_CONNECTIONS = 256
-# Helper processes alive at once on the node, killed ones that have not exited included
-# (each holds descriptors and memory until it exits); a container has at most one.
-MAX_HELPERS = 64
-# Fair shares: no pod (its containers together, policy.pod_of) can take a node-wide cap
-# from the rest. A pod gets at most these of the node's connections and helpers, and
-# --max-mounts-pod of its mounts.
-PER_POD = 16
-PER_POD_HELPERS = 8
+# Fair shares (``shares``): a container gets at most PER_CONTAINER open requests (a
+# tenant holding silent connections only uses its own), a pod (its containers together,
+# policy.pod_of) PER_POD of them, PER_POD_HELPERS helpers alive (killed ones that have not
+# exited included: each holds descriptors and memory until it exits; a container has at
+# most one) and --max-mounts-pod mounts. The node's caps are these times --max-pods.
+PER_CONTAINER = shares.PER_CONTAINER
+PER_POD = shares.PER_POD
+PER_POD_HELPERS = shares.PER_POD_HELPERS
 REQUEST_DEADLINE = 5.0  # seconds from accept to a complete request
 HELPER_DEADLINE = 5.0  # seconds a helper may take; then it is killed
 KILL_GRACE = 2.0  # a killed helper still alive after this is stuck on a FUSE daemon
@@ -90,10 +87,12 @@ class Broker:
         self.socket_path = settings.directory / protocol.SOCKET_NAME
         self.helper = settings.shim.parent / HELPER_NAME
         self.records = records.Records(settings.state)
+        self.caps = settings.caps
         # The caps, on one count of the mounts held (the records) and in flight.
         self.admission = Admission(self.records, Limits(
             per_container=settings.max_mounts, per_pod=settings.max_mounts_pod,
-            node=settings.max_mounts_node))
+            node=self.caps.mounts))
+        self.open = shares.OpenRequests(self.caps)
         self.turned = time.monotonic()
         # Published for the probe thread: replaced whole, never changed in place.
         self.mounts_held: dict[str, int] = {}
@@ -150,12 +149,28 @@ class Broker:
                 from None
         signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
         self._signals_wake = True
+        caps = self.caps
+        fd_limit = shares.raise_fd_limit(caps.descriptors)
         logs.event(self.log, "broker.serving", socket=str(self.socket_path),
                    shim=str(shim), max_mounts=settings.max_mounts,
-                   max_mounts_node=settings.max_mounts_node,
-                   max_mounts_pod=settings.max_mounts_pod, held=held,
+                   max_mounts_node=caps.mounts, max_mounts_pod=settings.max_mounts_pod,
+                   max_pods=caps.max_pods, max_requests=caps.requests,
+                   max_helpers=caps.helpers, fd_limit=fd_limit, held=held,
                    allow_other=settings.allow_other,
                    refuses_descriptors=self._refuses_descriptors)
+        self._say_short(caps, fd_limit)
+
+    def _say_short(self, caps: shares.NodeCaps, fd_limit: int) -> None:
+        """Where the settings let pods at their share fill a node-wide cap, so that the
+        shares no longer hold on a full node, say so at start: one line each."""
+        reasons = list(caps.short)
+        if fd_limit < caps.descriptors:
+            reasons.append(
+                f"the open-file limit is {fd_limit} (its hard limit), enough for "
+                f"{caps.pods_within(fd_limit)} pods at their share; --max-pods "
+                f"{caps.max_pods} needs {caps.descriptors}")
+        for reason in reasons:
+            logs.event(self.log, "broker.shares_short", logging.WARNING, reason=reason)
 
     def _listen(self) -> None:
         path = self.socket_path
@@ -319,9 +334,11 @@ class Broker:
             return
         sock.setblocking(False)
         who: callers.Caller | None = None
+        ticket: shares.Ticket | None = None
+        refused: policy.Refused | None = None
         try:
             who = callers.identify(sock)
-            refused = self._over_limit(who.container)
+            ticket = self.open.admit(who.container)
         except policy.OutOfResources as refusal:
             self._pause(refusal.error)
             refused = refusal
@@ -334,7 +351,8 @@ class Broker:
             self._refuse_at_accept(sock, who, refused)
             return
         assert who is not None
-        work = Conversation(sock, who, time.monotonic() + REQUEST_DEADLINE)
+        assert ticket is not None
+        work = Conversation(sock, who, time.monotonic() + REQUEST_DEADLINE, ticket=ticket)
         work.fields.update(pid=who.pid, uid=who.uid, cgroup=who.container)
         self._waiting[sock.fileno()] = work
         # The shim sends as soon as it connects, so the request is usually there
@@ -358,26 +376,6 @@ class Broker:
         _answer(sock, protocol.encode(status="error", message=f"broker refused: {refused}"))
         if who is not None:
             who.close()
-
-    def _over_limit(self, container: str) -> policy.Refused | None:
-        everyone = self._all()
-        mine = sum(1 for w in everyone if w.container == container)
-        if mine >= PER_CONTAINER:
-            return policy.Refused(f"this container has {mine} requests open, the most it "
-                                  "may; try again", "busy")
-        pod = policy.pod_of(container)
-        ours = sum(1 for w in everyone if policy.pod_of(w.container) == pod)
-        if ours >= PER_POD:
-            return policy.Refused(f"this pod has {ours} requests open, its share of the "
-                                  "node's; try again", "busy")
-        if len(everyone) >= MAX_CONNECTIONS:
-            return policy.Refused(f"the broker is busy ({MAX_CONNECTIONS} requests open); "
-                                  "try again", "busy")
-        return None
-
-    def _all(self) -> list[Conversation]:
-        return [*self._waiting.values(), *self._running.values(),
-                *(w for q in self._queued.values() for w in q)]
 
     def _pause(self, err: OSError) -> None:
         """Out of fds: stop accepting for a moment (the backlog holds the callers) and
@@ -483,9 +481,10 @@ class Broker:
 
     def _helpers_full(self, container: str) -> policy.Refused | None:
         alive = [*self._running, *(g.container for g in self._stuck)]
-        if len(alive) >= MAX_HELPERS:
-            return policy.Refused(f"the broker has {len(alive)} helpers alive, the most it "
-                                  "runs at once; try again", "busy")
+        if len(alive) >= self.caps.helpers:
+            return policy.Refused(f"the broker has {len(alive)} helpers alive, "
+                                  f"{PER_POD_HELPERS} for each of --max-pods "
+                                  f"{self.caps.max_pods} pods; try again", "busy")
         pod = policy.pod_of(container)
         ours = sum(1 for c in alive if policy.pod_of(c) == pod)
         if ours >= PER_POD_HELPERS:
@@ -680,10 +679,13 @@ class Broker:
     def _end(self, work: Conversation) -> None:
         """Every request ends in ``_reply`` or ``_drop``, however it went (done, refused,
         failed, past its deadline, the broker stopping), so a mount's slot is given back
-        here, once (a slot its record took counts as that record), and before the
-        answer: a caller that asks again on hearing it finds the slot free."""
+        here, once (a slot its record took counts as that record), and so is its place
+        among the open requests, both before the answer: a caller that asks again on
+        hearing it finds them free."""
         self.admission.release(work.slot)
         work.slot = None
+        self.open.release(work.ticket)
+        work.ticket = None
 
 
 def _urgency(data: object) -> int:

@@ -60,6 +60,8 @@ class BrokerProcess:
         self.extra = extra
         self.log_path = workdir / "broker.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        # How Python runs the command: a benchmark may start it through code of its own.
+        self.launch: tuple[str, ...] = ("-m", "fuse_plugin")
 
     @property
     def socket(self) -> Path:
@@ -70,7 +72,7 @@ class BrokerProcess:
         served = len(self.events("broker.serving"))
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "fuse_plugin", "broker", "--dir", str(self.directory),
+                [sys.executable, *self.launch, "broker", "--dir", str(self.directory),
                  "--shim", str(self.shim), "--state-dir", str(self.state),
                  "--log-format", "json", *self.extra],
                 stdout=log, stderr=subprocess.STDOUT)
