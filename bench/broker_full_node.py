@@ -7,7 +7,7 @@ Run from the repository root, as root::
     .venv/bin/python -m bench.broker_full_node --quick    # fewer parked helpers, shorter holds
 
 Each node-wide cap is a pod's share times --max-pods (``fuse_plugin/broker/shares.py``:
-1,760 open requests, 880 helpers and 7,040 mounts at the default 110), so the broker's
+1,760 open requests, 220 helpers and 7,040 mounts at the default 110), so the broker's
 descriptors and its pod's memory limit are sized for those caps. The real broker runs
 with its DaemonSet's flags (``--max-pods`` among them), moved into a memory cgroup of
 its own once it serves (what it charges from then on is counted there, as in its pod's).
@@ -19,14 +19,14 @@ pod's containers; no runc is needed to fill the caps. Four loads:
 1. *silent*: --max-pods pods of 4 containers each hold 4 silent connections a container
    (the open-request cap, 1,760), each one replaced as soon as the broker answers it at
    its 5 s deadline; held for ``--hold`` seconds.
-2. *queued*: --max-pods pods of 8 containers each keep 2 mount requests open a
-   container: the first at its helper, the second read and queued behind it (the
-   caller's namespaces open), so the open-request cap and the helper cap (880) are both
-   full. The broker runs a stand-in helper here (``sleep``: it never answers), and its
-   helper deadline is raised from 5 s to a minute (the only change to the broker:
-   starting 880 helpers takes this loaded machine longer than 5 s, and a helper killed
-   at its deadline would leave its place before the last one had come); what a real
-   helper costs is the next figure.
+2. *queued*: --max-pods pods of 4 containers each keep 4 mount requests open a
+   container: two containers of each pod at their helper (the pod's share), and every
+   other request read and queued (the caller's namespaces open), so the open-request
+   cap and the helper cap (220) are both full. The broker runs a stand-in helper here
+   (``sleep``: it never answers), and its helper deadline is raised from 5 s to a minute
+   (the only change to the broker: starting every helper takes this loaded machine
+   longer than 5 s, and a helper killed at its deadline would leave its place before
+   the last one had come); what a real helper costs is the next figure.
 3. *helpers*: ``--helpers`` real ``fuse-broker-helper`` processes, each serving a mount
    request of one process (this benchmark's child, root on the node, a /dev/fuse of its
    own for each), parked at each step in turn: after its first report (the caller's fd
@@ -61,6 +61,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -234,6 +235,7 @@ class Peak:
     fds: int = 0
     charged_mib: float = 0.0  # memory charged to its cgroup since it was moved there
     helpers: int = 0  # its children: helpers alive (stand-ins here), killed ones included
+    cpu: float = 0.0  # the broker's CPU time over the hold, per second of it
     samples: int = 0
 
 
@@ -251,7 +253,8 @@ def hold(broker_pid: int, peak: Peak, ready: Callable[[], bool], *, group: Path,
     """Wait until the load is at its caps (``ready``), then sample for ``seconds``."""
     wait_for(ready, FILL_DEADLINE, f"the {peak.load} load to reach the caps",
              interval=SAMPLE_EVERY)
-    end = time.monotonic() + seconds
+    start, cpu_start = time.monotonic(), cpu_seconds(broker_pid)
+    end = start + seconds
     while time.monotonic() < end:
         peak.rss_kib = max(peak.rss_kib, rss_kib(broker_pid))
         peak.fds = max(peak.fds, fd_count(broker_pid))
@@ -259,7 +262,14 @@ def hold(broker_pid: int, peak: Peak, ready: Callable[[], bool], *, group: Path,
         peak.helpers = max(peak.helpers, helpers_of(broker_pid))
         peak.samples += 1
         time.sleep(SAMPLE_EVERY)
+    peak.cpu = (cpu_seconds(broker_pid) - cpu_start) / (time.monotonic() - start)
     return peak
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's user and system time so far (its helpers' not included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def stand_in_bin(work: Path) -> Path:
@@ -307,18 +317,21 @@ def broker_loads(work: Path, sizes: Sizes) -> tuple[list[Peak], dict[str, Any]]:
                                   group=group, base=base, seconds=sizes.hold))
             mount = protocol.encode(v=protocol.VERSION, op="mount", path="/mnt/x",
                                     fuse_fd="3")
-            per_pod = shares.PER_POD_HELPERS
-            with pods(caps.max_pods, per_pod) as procs, \
-                    tenants(procs, sock, shares.PER_POD // per_pod, mount):
+            with pods(caps.max_pods, shares.PER_POD // per_container) as procs, \
+                    tenants(procs, sock, per_container, mount):
                 peak = Peak("queued", connections=caps.requests)
                 peaks.append(hold(broker.pid, peak,
                                   lambda: helpers_of(broker.pid) >= caps.helpers,
                                   group=group, base=base, seconds=sizes.hold))
     finally:
         broker.stop()
-    busy = [e for e in broker.events("broker.refused") if e.get("kind") == "busy"]
-    return peaks, {"serving": serving, "refused_busy_lines": len(busy),
-                   "caps": asdict(caps), "flags": flags}
+    # Why the broker refused, from its log (lines within each tenant's budget, and the
+    # one line a second of refusals at accept with how many it stands for).
+    refused: Counter[str] = Counter()
+    for event in broker.events("broker.refused"):
+        refused[str(event.get("reason"))] += int(event.get("connections", 1))
+    return peaks, {"serving": serving, "refused": dict(refused), "caps": asdict(caps),
+                   "flags": flags}
 
 
 # -- real helpers, parked -------------------------------------------------------------------
@@ -505,10 +518,10 @@ def print_report(report: Report) -> bool:
           f"{caps['helpers']} helpers, {caps['mounts']} mounts; descriptors sized: {needed}; "
           f"fd_limit {report.broker['serving'].get('fd_limit')}")
     print(f"{'load':<8} {'open':>6} {'RSS MiB':>8} {'fds':>6} {'charged MiB':>12} "
-          f"{'helpers':>8}")
+          f"{'helpers':>8} {'CPU':>6}")
     for p in report.peaks:
         print(f"{p.load:<8} {p.connections:>6} {p.rss_kib / 1024:>8.1f} {p.fds:>6} "
-              f"{p.charged_mib:>12.1f} {p.helpers:>8}")
+              f"{p.charged_mib:>12.1f} {p.helpers:>8} {p.cpu:>6.1%}")
     count = report.helpers["helpers"]
     for step, figures in report.helpers["steps"].items():
         print(f"{count} real helpers parked at {step!r}: {figures['charged_mib']} MiB charged "
@@ -521,7 +534,8 @@ def print_report(report: Report) -> bool:
           f"{kept['python_rss_growth_kib'] / 1024:.1f} MiB)")
     ok = all(p.fds <= needed for p in report.peaks)
     print(f"descriptors within the caps' {needed}: {'PASS' if ok else 'FAIL'}")
-    print(f"refused 'busy' lines in the broker's log: {report.broker['refused_busy_lines']}")
+    for reason, count in sorted(report.broker["refused"].items(), key=lambda r: -r[1]):
+        print(f"refused {count}: {reason}")
     return ok
 
 

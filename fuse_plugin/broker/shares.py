@@ -3,7 +3,8 @@ the node may run.
 
 A pod (``policy.pod_of``) gets a share of everything the broker holds for tenants: open
 requests (connections accepted and not yet answered: ``PER_CONTAINER`` a container,
-``PER_POD`` a pod), live helpers (``PER_POD_HELPERS``) and mounts (``--max-mounts-pod``).
+``PER_POD`` a pod), live helpers (``PER_POD_HELPERS``; its further requests wait for its
+own) and mounts (``--max-mounts-pod``).
 The node-wide caps used to be fixed numbers (256 requests, 64 helpers, 1,000 mounts), so
 pods each within their share still filled one together: one tenant's 64
 single-container pods holding 4 silent connections each took all 256 requests, and a
@@ -31,7 +32,11 @@ from fuse_plugin.broker import policy
 # A pod's shares (the mounts' are flags: --max-mounts, --max-mounts-pod).
 PER_CONTAINER = 4  # open requests of one container: silent connections take its own
 PER_POD = 16  # open requests of all the containers of one pod together
-PER_POD_HELPERS = 8  # helpers alive for one pod (a container has one at a time)
+# Helpers alive for one pod: a container has one at a time, and a pod's requests beyond
+# this wait for its own. Each helper costs the broker's pod about 300 KiB and more for a
+# caller with many groups (bench.broker_full_node), so the node's 2 x --max-pods is what
+# its memory limit covers.
+PER_POD_HELPERS = 2
 DEFAULT_MAX_PODS = 110  # the kubelet's default maxPods
 
 # Descriptors the broker holds: for an open request its connection, the caller's pidfd

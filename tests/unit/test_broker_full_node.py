@@ -55,10 +55,10 @@ def fill(requests: OpenRequests, pods: range) -> None:
 
 def test_each_node_cap_is_a_pods_share_times_max_pods() -> None:
     caps = BrokerSettings().caps
-    assert (caps.max_pods, caps.requests, caps.helpers, caps.mounts) == (110, 1760, 880, 7040)
+    assert (caps.max_pods, caps.requests, caps.helpers, caps.mounts) == (110, 1760, 220, 7040)
     assert caps.short == []
     wide = NodeCaps.for_pods(250, mounts_pod=8)
-    assert (wide.requests, wide.helpers, wide.mounts) == (4000, 2000, 2000)
+    assert (wide.requests, wide.helpers, wide.mounts) == (4000, 500, 2000)
 
 
 def test_a_node_mount_cap_below_the_product_is_said_to_give_the_guarantee_up() -> None:
@@ -70,9 +70,9 @@ def test_a_node_mount_cap_below_the_product_is_said_to_give_the_guarantee_up() -
 
 def test_the_descriptors_needed_follow_the_caps() -> None:
     caps = NodeCaps.for_pods(110, 64)
-    assert caps.descriptors == 4 * 1760 + 2 * 880 + shares.FDS_BESIDE
+    assert caps.descriptors == 4 * 1760 + 2 * 220 + shares.FDS_BESIDE
     assert caps.pods_within(caps.descriptors) == 110
-    assert caps.pods_within(1024) == 11
+    assert caps.pods_within(1024) == 13
     assert caps.pods_within(10) == 0
 
 
@@ -87,7 +87,7 @@ def parse(*argv: str) -> BrokerSettings:
 def test_the_flags_set_the_caps() -> None:
     assert parse().caps == BrokerSettings().caps
     caps = parse("--max-pods", "250", "--max-mounts-pod", "8").caps
-    assert (caps.requests, caps.helpers, caps.mounts) == (4000, 2000, 2000)
+    assert (caps.requests, caps.helpers, caps.mounts) == (4000, 500, 2000)
     assert parse("--max-mounts-node", "500").caps.mounts == 500
 
 
@@ -258,6 +258,29 @@ def test_every_end_of_a_request_gives_its_place_back(loop: Broker) -> None:
     loop._listener = None  # closed already: the fixture's close has nothing left to do
 
 
+def test_silent_connections_are_answered_at_their_own_deadlines(loop: Broker) -> None:
+    """The loop looks only at the soonest deadline, whatever the number open
+    (``Broker._soonest``): each connection is still answered at its own."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the broker reads the caller's /proc entries")
+    socks = [accepted(loop) for _ in range(shares.PER_CONTAINER)]
+    deadlines = [w.deadline for w in loop._waiting.values()]
+    assert deadlines == sorted(deadlines)
+    assert loop._soonest() == [deadlines[0]]
+    loop._expire(deadlines[1])
+    assert len(loop.open) == 2
+    assert loop._soonest() == [deadlines[2]]
+    for sock in socks[:2]:
+        assert "no complete request" in said(sock)
+    for sock in socks[2:]:
+        sock.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            sock.recv(protocol.MAX_MESSAGE)
+    loop._expire(deadlines[3])
+    assert len(loop.open) == 0
+    assert loop._soonest() == []
+
+
 def test_the_broker_says_where_its_settings_give_the_shares_up(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     broker = Broker(BrokerSettings(directory=tmp_path / "dir", state=tmp_path / "state",
@@ -267,8 +290,8 @@ def test_the_broker_says_where_its_settings_give_the_shares_up(
     assert [r.getMessage() for r in caplog.records] == ["broker.shares_short"] * 2
     reasons = [r.__dict__["fields"]["reason"] for r in caplog.records]
     assert reasons[0].endswith("15 pods at their share fill it")
-    assert reasons[1] == ("the open-file limit is 1024 (its hard limit), enough for 11 pods "
-                          "at their share; --max-pods 110 needs 8928")
+    assert reasons[1] == ("the open-file limit is 1024 (its hard limit), enough for 13 pods "
+                          "at their share; --max-pods 110 needs 7608")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="test.shares"):
         quiet = Broker(BrokerSettings(directory=tmp_path / "d2", state=tmp_path / "s2"),
