@@ -28,15 +28,18 @@ pod's containers; no runc is needed to fill the caps. Four loads:
    longer than 5 s, and a helper killed at its deadline would leave its place before
    the last one had come); what a real helper costs is the next figure.
 3. *helpers*: ``--helpers`` real ``fuse-broker-helper`` processes, each serving a mount
-   request of one process (this benchmark's child, root on the node, a /dev/fuse of its
-   own for each), parked at each step in turn: after its first report (the caller's fd
-   taken, its namespaces entered), after the facts (the path walked), and after the
-   mount is built (a detached FUSE superblock held, its PID-namespace child gone). The
+   request of one process (a worker of this benchmark started in a memory cgroup of its
+   own, root on the node, a /dev/fuse of its own for each), parked at each step in
+   turn: after its first report (the caller's fd taken, its namespaces entered), after
+   the facts (the path walked), and after the mount is built (a detached FUSE
+   superblock held, its PID-namespace child gone). The
    memory cgroup they were started in is read at each step: what each helper costs the
-   broker's pod.
+   broker's pod, less the worker's own objects (the growth of its anonymous memory).
+   Twice: for a caller with no supplementary groups, and for one with 32,768 (the most
+   the broker accepts; the helper takes them all).
 4. *records*: the records of ``--max-mounts-node`` mounts (one small file each in the
    state directory, a tmpfs on the node, charged to the broker's pod) written by a
-   process in a memory cgroup of its own.
+   worker in a memory cgroup of its own, with its Python objects for them.
 
 For each: the broker's RSS, its open descriptors and the memory its cgroup was charged,
 sampled every half second, the most of each; and the descriptors set against
@@ -54,7 +57,6 @@ import os
 import platform
 import selectors
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -69,7 +71,7 @@ from typing import Any
 
 from bench.broker import DAEMONSET, deployed_flags, fd_count, rss_kib
 from fuse_plugin.broker import caller as callers
-from fuse_plugin.broker import protocol, records, reports, shares
+from fuse_plugin.broker import frames, protocol, records, reports, shares
 from fuse_plugin.broker.conversation import Conversation
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
 from fuse_plugin.broker.helper import Job
@@ -337,49 +339,45 @@ def broker_loads(work: Path, sizes: Sizes) -> tuple[list[Peak], dict[str, Any]]:
 # -- real helpers, parked -------------------------------------------------------------------
 
 
-def drive_helpers(helper: Path, count: int, directory: Path, group: Path, *, talk: int,
-                  hear: int) -> None:
-    """A forked child, in ``group`` from its first allocation on: ``count`` real helpers
-    serving its own mount requests, held at each step until the parent says go on (a
-    byte on ``hear``); it says on ``talk`` when all are there (and how much of the
-    cgroup's charge is its own objects)."""
-    (group / "cgroup.procs").write_text(str(os.getpid()))
+def anon_kib(pid: int) -> int:
+    """The process's own anonymous memory (a worker's Python objects)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+    raise ProcessLookupError(f"process {pid} has exited")
+
+
+def say(**fields: object) -> None:
+    """A worker's line to the benchmark, with its own anonymous memory."""
+    print(json.dumps({**fields, "anon_kib": anon_kib(os.getpid())}), flush=True)
+
+
+def drive_helpers(directory: Path, count: int, groups: int) -> None:
+    """The worker ``drive-helpers``, started in a memory cgroup of its own (so that
+    nothing it shares with the benchmark is charged there), with ``groups``
+    supplementary groups: ``count`` real helpers serving its own mount requests, held at
+    each step until a line arrives on stdin; it says when all are there."""
+    os.setgroups(list(range(100_000, 100_000 + groups)))
     caller = callers.Caller(pid=os.getpid(), uid=0, gid=0, pidfd=os.pidfd_open(os.getpid()),
                             container="/fuse-bench")
     caller.open()
+    helper = broker_rig.shim().parent / HELPER_NAME
+    unused, _ = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # no client here
+    say(step="ready")
+    sys.stdin.readline()
     works = []
     for i in range(count):
         point = directory / str(i)
         point.mkdir()
         fuse = os.open("/dev/fuse", os.O_RDWR)
-        ours, _theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        work = Conversation(ours, caller, time.monotonic() + 3600)
+        work = Conversation(unused, caller, time.monotonic() + 3600)
         work.parsed = protocol.Request(op="mount", path=str(point), fuse_fd=fuse)
         work.job = Job.start(helper, caller, work.request, time.monotonic() + 3600)
         works.append(work)
     for step in ("mark", "facts", "built"):
-        pending = list(works)
-        deadline = time.monotonic() + STEP_DEADLINE
-        while pending and time.monotonic() < deadline:
-            chooser = selectors.DefaultSelector()
-            for work in pending:
-                assert work.job is not None
-                chooser.register(work.job.ctl, selectors.EVENT_READ, work)
-            for key, _ in chooser.select(1.0):
-                work = key.data
-                assert work.job is not None
-                message = work.job.receive()
-                if message is None:
-                    continue
-                report = work.hear(message)
-                if isinstance(report, reports.MountFacts):
-                    work.fields["verdict"] = work.verdict(report, records.Records(directory),
-                                                          True)
-                pending.remove(work)
-            chooser.close()
-        os.write(talk, json.dumps({"step": step, "missing": len(pending),
-                                   "driver_rss_kib": rss_kib(os.getpid())}).encode() + b"\n")
-        os.read(hear, 1)
+        pending = reach(works, directory)
+        say(step=step, missing=len(pending))
+        sys.stdin.readline()
         for work in works:
             assert work.job is not None
             if step == "mark":
@@ -396,66 +394,113 @@ def drive_helpers(helper: Path, count: int, directory: Path, group: Path, *, tal
         work.job.close()
 
 
-def parked_helpers(work: Path, sizes: Sizes) -> dict[str, Any]:
-    """Load 3: what real helpers cost their memory cgroup at each step they wait at."""
-    directory = work / "mnt"
+def reach(works: list[Conversation], directory: Path) -> list[Conversation]:
+    """Hear each helper's next report (a mount's facts are judged, as the loop judges
+    them); those that said nothing within the deadline."""
+    pending = list(works)
+    deadline = time.monotonic() + STEP_DEADLINE
+    while pending and time.monotonic() < deadline:
+        with selectors.DefaultSelector() as chooser:
+            for work in pending:
+                assert work.job is not None
+                chooser.register(work.job.ctl, selectors.EVENT_READ, work)
+            for key, _ in chooser.select(1.0):
+                work = key.data
+                assert work.job is not None
+                message = work.job.receive()
+                if message is None:
+                    continue
+                report = work.hear(message)
+                if isinstance(report, reports.MountFacts):
+                    work.fields["verdict"] = work.verdict(report, records.Records(directory),
+                                                          True)
+                pending.remove(work)
+    return pending
+
+
+@contextlib.contextmanager
+def worker(group: Path, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """This benchmark run as one of its workers, in ``group`` from its start (it joins
+    before it runs: ``preexec_fn``); killed at the end."""
+    def join() -> None:
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+
+    proc = subprocess.Popen([sys.executable, "-m", "bench.broker_full_node", *args],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=HERE.parent, preexec_fn=join)  # noqa: PLW1509 - no threads
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def heard(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise AssertionError(f"a worker ended ({proc.wait()})")
+    said: dict[str, Any] = json.loads(line)
+    return said
+
+
+def go_on(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+
+
+def parked_helpers(work: Path, sizes: Sizes, groups: int) -> dict[str, Any]:
+    """Load 3: what real helpers cost their memory cgroup at each step they wait at,
+    for a caller with ``groups`` supplementary groups. The worker's own objects (its
+    anonymous memory's growth) are taken off: the broker has its own."""
+    directory = work / f"mnt-{groups}"
     directory.mkdir()
     # A private tmpfs: a data filesystem the rules mount on, whatever the node's / is.
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "fuse-bench", str(directory)],
                    check=True)
     subprocess.run(["mount", "--make-private", str(directory)], check=True)
-    helper = broker_rig.shim().parent / HELPER_NAME
     steps: dict[str, Any] = {}
     try:
-        with memory_group("helpers") as group:
-            talk_r, talk_w = os.pipe()
-            hear_r, hear_w = os.pipe()
-            before = charged(group)
-            child = os.fork()
-            if child == 0:
-                code = 0
-                try:
-                    drive_helpers(helper, sizes.helpers, directory, group, talk=talk_w,
-                                  hear=hear_r)
-                except BaseException as err:  # the parent reads the reason
-                    os.write(talk_w, json.dumps({"error": repr(err)}).encode() + b"\n")
-                    code = 1
-                os._exit(code)
-            lines = os.fdopen(talk_r)
+        with memory_group("helpers") as group, \
+                worker(group, "drive-helpers", str(directory), str(sizes.helpers),
+                       str(groups)) as proc:
+            ready = heard(proc)
+            base = charged(group)
+            go_on(proc)
             for _ in range(3):
-                said = json.loads(lines.readline() or '{"error": "the driver ended"}')
-                if "error" in said:
-                    raise AssertionError(f"the helper driver failed: {said['error']}")
+                said = heard(proc)
                 pids = [int(p) for p in
-                        Path(f"/proc/{child}/task/{child}/children").read_text().split()]
-                rss = sum(rss_kib(p) for p in pids)
+                        Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+                grown = charged(group) - base - (said["anon_kib"] - ready["anon_kib"]) * 1024
                 steps[said["step"]] = {
                     "helpers": len(pids), "missing": said["missing"],
-                    "charged_mib": round((charged(group) - before) / MIB, 2),
-                    "helpers_rss_kib": rss, "driver_rss_kib": said["driver_rss_kib"]}
-                os.write(hear_w, b"x")
-            os.waitpid(child, 0)
+                    "charged_mib": round(grown / MIB, 2),
+                    "helpers_rss_kib": sum(rss_kib(p) for p in pids),
+                    "worker_anon_growth_kib": said["anon_kib"] - ready["anon_kib"]}
+                go_on(proc)
+            proc.wait(STEP_DEADLINE * 2)
     finally:
         subprocess.run(["umount", "-l", str(directory)], check=False)
-    return {"helpers": sizes.helpers, "steps": steps}
+    return {"helpers": sizes.helpers, "groups": groups, "steps": steps}
 
 
 # -- records --------------------------------------------------------------------------------
 
 
-def write_records(count: int, directory: Path, group: Path, talk: int) -> None:
-    """A forked child, in ``group``: ``count`` records written as the broker writes
-    them; then it says its RSS and waits to be killed."""
-    (group / "cgroup.procs").write_text(str(os.getpid()))
-    start = rss_kib(os.getpid())
+def write_records(directory: Path, count: int) -> None:
+    """The worker ``write-records``, in a memory cgroup of its own: ``count`` records
+    written as the broker writes them, once a line arrives on stdin."""
     held = records.Records(directory)
+    say(step="ready")
+    sys.stdin.readline()
     for n in range(count):
         held.add(records.Record(connection=n + 1, ctl_inode=100_000 + n,
                                 container=f"/kubepods/besteffort/pod{n % 110:032x}/c{n % 4}",
                                 uid=0, namespace=4026531840, mount_id=1000 + n,
                                 path=f"/mnt/data/volume-{n}"))
-    os.write(talk, json.dumps({"rss_growth_kib": rss_kib(os.getpid()) - start}).encode() + b"\n")
-    signal.pause()
+    say(step="written")
+    sys.stdin.readline()
 
 
 def record_costs(work: Path, count: int) -> dict[str, Any]:
@@ -465,21 +510,15 @@ def record_costs(work: Path, count: int) -> dict[str, Any]:
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "fuse-bench", str(state)],
                    check=True)
     try:
-        with memory_group("records") as group:
-            talk_r, talk_w = os.pipe()
-            before = charged(group)
-            child = os.fork()
-            if child == 0:
-                try:
-                    write_records(count, state, group, talk_w)
-                finally:
-                    os._exit(1)
-            said = json.loads(os.fdopen(talk_r).readline())
-            total = charged(group) - before
-            os.kill(child, signal.SIGKILL)
-            os.waitpid(child, 0)
+        with memory_group("records") as group, \
+                worker(group, "write-records", str(state), str(count)) as proc:
+            ready = heard(proc)
+            base = charged(group)
+            go_on(proc)
+            said = heard(proc)
+            total = charged(group) - base
             return {"records": count, "charged_mib": round(total / MIB, 2),
-                    "python_rss_growth_kib": said["rss_growth_kib"],
+                    "python_anon_growth_kib": said["anon_kib"] - ready["anon_kib"],
                     "per_record_bytes": total // count}
     finally:
         subprocess.run(["umount", "-l", str(state)], check=False)
@@ -493,7 +532,7 @@ class Report:
     machine: dict[str, Any]
     broker: dict[str, Any]
     peaks: list[Peak] = field(default_factory=list)
-    helpers: dict[str, Any] = field(default_factory=dict)
+    helpers: list[dict[str, Any]] = field(default_factory=list)
     records: dict[str, Any] = field(default_factory=dict)
 
 
@@ -501,7 +540,7 @@ def run(sizes: Sizes) -> Report:
     with tempfile.TemporaryDirectory(prefix="fuse-bench-full-node-") as temp:
         work = Path(temp)
         peaks, broker = broker_loads(work, sizes)
-        helpers = parked_helpers(work, sizes)
+        helpers = [parked_helpers(work, sizes, groups) for groups in (0, frames.MAX_GROUPS)]
         caps = broker["caps"]
         kept = record_costs(work, caps["mounts"])
     machine = {"kernel": platform.release(), "cpus": os.cpu_count(),
@@ -522,16 +561,19 @@ def print_report(report: Report) -> bool:
     for p in report.peaks:
         print(f"{p.load:<8} {p.connections:>6} {p.rss_kib / 1024:>8.1f} {p.fds:>6} "
               f"{p.charged_mib:>12.1f} {p.helpers:>8} {p.cpu:>6.1%}")
-    count = report.helpers["helpers"]
-    for step, figures in report.helpers["steps"].items():
-        print(f"{count} real helpers parked at {step!r}: {figures['charged_mib']} MiB charged "
-              f"({figures['charged_mib'] * 1024 / count:.0f} KiB each; their RSS "
-              f"{figures['helpers_rss_kib'] / count:.0f} KiB each; the driver's own RSS "
-              f"{figures['driver_rss_kib'] / 1024:.1f} MiB); {figures['missing']} not there")
+    for parked in report.helpers:
+        count = parked["helpers"]
+        for step, figures in parked["steps"].items():
+            print(f"{count} real helpers, caller of {parked['groups']} groups, parked at "
+                  f"{step!r}: {figures['charged_mib']} MiB charged "
+                  f"({figures['charged_mib'] * 1024 / count:.0f} KiB each; their RSS "
+                  f"{figures['helpers_rss_kib'] / count:.0f} KiB each; the worker's own "
+                  f"{figures['worker_anon_growth_kib']} KiB taken off); "
+                  f"{figures['missing']} not there")
     kept = report.records
     print(f"{kept['records']} records: {kept['charged_mib']} MiB charged "
-          f"({kept['per_record_bytes']} bytes each; Python objects "
-          f"{kept['python_rss_growth_kib'] / 1024:.1f} MiB)")
+          f"({kept['per_record_bytes']} bytes each; of which Python objects "
+          f"{kept['python_anon_growth_kib'] / 1024:.1f} MiB)")
     ok = all(p.fds <= needed for p in report.peaks)
     print(f"descriptors within the caps' {needed}: {'PASS' if ok else 'FAIL'}")
     for reason, count in sorted(report.broker["refused"].items(), key=lambda r: -r[1]):
@@ -540,6 +582,13 @@ def print_report(report: Report) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["drive-helpers"]:  # the workers (``worker``)
+        drive_helpers(Path(argv[1]), int(argv[2]), int(argv[3]))
+        return 0
+    if argv[:1] == ["write-records"]:
+        write_records(Path(argv[1]), int(argv[2]))
+        return 0
     parser = argparse.ArgumentParser(prog="python -m bench.broker_full_node",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="50 parked helpers, 5 s holds")
