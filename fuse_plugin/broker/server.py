@@ -278,8 +278,8 @@ class Broker:
         is kept in the order its deadlines fall (an entry's deadline is the time it was
         added plus a constant, and entries are only ever added at the end), so its first
         entry has the soonest: a turn costs the same however many are open. (Listing
-        every deadline, a node's 1,760 silent connections took a fifth of the loop's
-        time: bench.broker_full_node.)"""
+        every deadline, a node's 1,760 silent connections took nearly a quarter of the
+        loop's time: bench/README.md, the broker at its caps.)"""
         soonest = [w.deadline for w in itertools.islice(self._waiting.values(), 1)]
         soonest += [w.job.deadline for w in itertools.islice(self._running.values(), 1)
                     if w.job is not None]

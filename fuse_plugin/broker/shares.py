@@ -4,11 +4,10 @@ the node may run.
 A pod (``policy.pod_of``) gets a share of everything the broker holds for tenants: open
 requests (connections accepted and not yet answered: ``PER_CONTAINER`` a container,
 ``PER_POD`` a pod), live helpers (``PER_POD_HELPERS``; its further requests wait for its
-own) and mounts (``--max-mounts-pod``).
-The node-wide caps used to be fixed numbers (256 requests, 64 helpers, 1,000 mounts), so
-pods each within their share still filled one together: one tenant's 64
-single-container pods holding 4 silent connections each took all 256 requests, and a
-neighbour was answered "the broker is busy" (issue 34).
+own) and mounts (``--max-mounts-pod``). The node-wide caps used to be fixed numbers
+(256 requests, 64 helpers, 1,000 mounts), so pods each within their share still filled
+one together: one tenant's 64 single-container pods holding 4 silent connections each
+took all 256 requests, and a neighbour was answered "the broker is busy" (issue 34).
 
 The kubelet runs at most maxPods pods on a node (110 by default), so here every node-wide
 cap is the per-pod share times ``--max-pods`` (``NodeCaps.for_pods``): while the node runs
@@ -16,9 +15,10 @@ no more pods than that, the caps are never reached by pods that keep to their sh
 and a pod within its own share is never refused, nor made to wait, by a node-wide cap,
 whatever the other pods do. What the caps still bound is the broker's own cost, which
 is sized from them: its descriptors (``NodeCaps.descriptors``, the soft limit is raised
-to match at start) and its memory (the DaemonSet's limit, measured in bench/). An
-explicit ``--max-mounts-node`` below the product is the one way to give the guarantee up,
-and the broker says so when it starts (``NodeCaps.short``).
+to match at start) and its memory (the DaemonSet's limit, measured in bench/). A node
+can give the guarantee up: more pods than --max-pods, an explicit ``--max-mounts-node``
+below the product (``NodeCaps.short``), a hard fd limit below what the caps need; the
+broker says so when it starts, of the last two (``server.Broker._say_short``).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from fuse_plugin.broker import policy
 PER_CONTAINER = 4  # open requests of one container: silent connections take its own
 PER_POD = 16  # open requests of all the containers of one pod together
 # Helpers alive for one pod: a container has one at a time, and a pod's requests beyond
-# this wait for its own. Each helper costs the broker's pod about 300 KiB and more for a
-# caller with many groups (bench.broker_full_node), so the node's 2 x --max-pods is what
-# its memory limit covers.
+# this wait for its own. Each helper costs the broker's pod 0.45 MiB, 0.95 MiB for a
+# caller of 32,768 groups (bench.broker_full_node): the node's 2 x --max-pods is what the
+# DaemonSet's memory limit covers (8 a pod would need four times as much).
 PER_POD_HELPERS = 2
 DEFAULT_MAX_PODS = 110  # the kubelet's default maxPods
 
