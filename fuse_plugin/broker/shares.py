@@ -93,8 +93,8 @@ class NodeCaps:
 
 def raise_fd_limit(needed: int) -> int:
     """Raise the soft RLIMIT_NOFILE towards ``needed``, as far as the hard limit allows
-    (no privilege needed: containerd 2 starts containers at a soft 1,024 under a hard
-    524,288), never lowering it; returns the soft limit now in force. Why: short of
+    (no privilege needed: containerd 2 under systemd leaves containers at a soft 1,024
+    under a hard 524,288), never lowering it; returns the soft limit now in force. Why: short of
     descriptors the loop answers "busy" and pauses (``server.Broker._survive``), which
     is what a flood's neighbours would get. (Linux never has an infinite RLIMIT_NOFILE:
     fs.nr_open bounds it.)"""
