@@ -8,6 +8,9 @@ broker is busy (256 requests open); try again" (10 of 10 and 8 of 10 in two runs
 kubelet runs at most maxPods pods on a node (110 by default), so each node-wide cap is
 now a pod's share times ``--max-pods`` (``fuse_plugin/broker/shares.py``).
 
+The same held for mounts: --max-mounts-node was 1,000 and a pod's share 64, so 16 pods
+at their share filled the node. Its default is now --max-mounts-pod x --max-pods.
+
 Here the node is full to the default maxPods, with the DaemonSet's flags: 109 attacking
 pods of four containers each (runc containers nested in pod cgroups, as the kubelet
 makes them; containerd's default capabilities, the real RuntimeDefault rules) hold their
@@ -15,6 +18,8 @@ pod's whole share of silent connections, four a container and 16 a pod, each con
 replacing every connection the broker answers at its request deadline. Then the 110th
 pod, a neighbour of four containers, asks for its own whole share at once: 16 mounts in
 flight together. Every one is served, and every attacking container held its four.
+And 16 pods of two containers each make their pod's whole share of mounts (32 a
+container, 64 a pod: 1,024 FUSE mounts), and then a neighbour mounts.
 """
 
 from __future__ import annotations
@@ -28,10 +33,10 @@ from typing import Any
 import pytest
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.broker import shares
+from fuse_plugin.broker import settings, shares
 from tests.lib import broker as broker_rig
 from tests.lib import oci, profiles, workloads
-from tests.lib.broker import ATTACKER_IN_CONTAINER, BrokerProcess, Burst
+from tests.lib.broker import ATTACKER_IN_CONTAINER, BrokerProcess, Burst, attack
 from tests.lib.waiting import wait_for
 
 PODS = shares.DEFAULT_MAX_PODS  # the node is full: the attackers' and the neighbour's
@@ -100,3 +105,28 @@ def test_a_neighbour_gets_its_share_on_a_node_full_of_pods_at_theirs(
     short = [r for r in reports if r["held"] != shares.PER_CONTAINER]
     assert not short, f"{len(short)} attacking containers held less than their share: " \
         f"{short[:3]}"
+
+
+MOUNTING_PODS = 16  # at their share of mounts: more than the old --max-mounts-node 1,000
+
+
+@pytest.mark.timeout(900)
+def test_a_neighbour_mounts_on_a_node_whose_pods_hold_their_share_of_mounts(
+        broker: BrokerProcess, broker_allocation: api.ContainerAllocateResponse) -> None:
+    per_container = settings.DEFAULT_MAX_MOUNTS
+    containers = settings.DEFAULT_MAX_MOUNTS_POD // per_container
+    tenant = spec(broker_allocation, workloads.HOLD)
+    with oci.Runc() as runc:
+        taken: list[int] = []
+        for _ in range(MOUNTING_PODS):
+            pod = f"fuse-e2e-pod{uuid.uuid4().hex[:12]}"
+            for c in range(containers):
+                member = runc.create(tenant, f"m{len(taken)}x{c}", pod=pod).start()
+                result = attack(member, "ask", "--fuse", "--repeat", str(per_container),
+                                "--mkdir", "op=mount", "path=/mnt/q/{i}")
+                taken.append(result["counts"].get("ok", 0))
+        neighbour = runc.create(tenant, "neighbour").start()
+        neighbour.sh("mkdir -p /mnt/n").check()
+        answer = attack(neighbour, "ask", "--fuse", "op=mount", "path=/mnt/n")
+    assert answer["status"] == "ok", answer
+    assert taken == [per_container] * (MOUNTING_PODS * containers)
