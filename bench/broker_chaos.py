@@ -41,9 +41,10 @@ failures (none); every request answered (good and hostile: no connection closed 
 without a reply); the longest wait of a complete request (<= the helper deadline,
 server.HELPER_DEADLINE) and of a silent connection (<= the request deadline and a loop
 turn); helpers killed at their deadline (broker.stalled) and alive at most (killed ones
-included, <= server.MAX_HELPERS); the broker's log lines and KiB a second during the
-attack; the broker's RSS and open fds before, during and after (fds back to the
-baseline once the attackers have left, RSS flat from one round to the next); /healthz
+included, <= the node's cap at the default --max-pods, the DaemonSet's); the broker's
+log lines and KiB a second during the attack; the broker's RSS and open fds before,
+during and after (fds back to the baseline once the attackers have left, RSS flat from
+one round to the next); /healthz
 answers during the chaos; SIGTERM during the chaos to exit (0, within the pod's
 terminationGracePeriodSeconds). Prints a table,
 writes JSON to ``bench/results/broker_chaos.json`` (or ``--out``), exits 3 when a
@@ -73,7 +74,8 @@ from typing import Any
 
 from bench import broker as bench
 from fuse_plugin.broker import protocol
-from fuse_plugin.broker.server import HELPER_DEADLINE, MAX_HELPERS, REQUEST_DEADLINE, TURN
+from fuse_plugin.broker.server import HELPER_DEADLINE, REQUEST_DEADLINE, TURN
+from fuse_plugin.broker.settings import BrokerSettings
 from tests.lib import broker as broker_rig
 from tests.lib import oci, waiting
 from tests.lib.node import UDEV_MODE, host_fuse_mode
@@ -91,6 +93,8 @@ HOSTILE = ("stall", "chroot", "silent", "descriptors", "pin", "flood", "foreign"
 # Tools whose connections never carry a complete request: answered at the request
 # deadline, or refused at accept.
 SILENT = ("silent", "descriptors")
+# Helpers alive at most on the node at the default --max-pods, the DaemonSet's.
+NODE_HELPERS = BrokerSettings().caps.helpers
 
 
 @dataclass(frozen=True)
@@ -517,8 +521,8 @@ def figures(report: Report) -> list[Figure]:
                       "back to the start", fds_ok))
     out.append(Figure("broker helpers alive (killed ones included): max during a round",
                       ", ".join(str(r.helpers_max) for r in rounds),
-                      f"<= {MAX_HELPERS} (the node's cap)",
-                      all(r.helpers_max <= MAX_HELPERS for r in rounds)))
+                      f"<= {NODE_HELPERS} (the node's cap)",
+                      all(r.helpers_max <= NODE_HELPERS for r in rounds)))
     out.append(Figure("broker log during the attack: lines/s, KiB/s per round",
                       ", ".join(f"{r.log_lines_per_s:g}, {r.log_kib_per_s:g}"
                                 for r in rounds)))

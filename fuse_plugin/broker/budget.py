@@ -58,14 +58,19 @@ class LogBudget:
 
     def due(self, now: float, everything: bool = False) -> list[Summary]:
         """The summaries of windows that have ended (all of them with ``everything``, at
-        stop); ended windows are forgotten, so the budget holds only active tenants."""
+        stop); ended windows are forgotten, so the budget holds only active tenants.
+        Windows are kept in the order they started (a new one is added at the end), so
+        the first one still running ends the search: the loop asks every turn, and a
+        full node has hundreds of containers with a window open."""
         out = []
-        for key, window in list(self._windows.items()):
-            if everything or now - window.start >= self.interval:
-                del self._windows[key]
-                if window.suppressed:
-                    out.append(Summary(key[0], key[1], window.suppressed,
-                                       round(now - window.start, 1), window.reason))
+        while self._windows:
+            key, window = next(iter(self._windows.items()))
+            if not everything and now - window.start < self.interval:
+                break
+            del self._windows[key]
+            if window.suppressed:
+                out.append(Summary(key[0], key[1], window.suppressed,
+                                   round(now - window.start, 1), window.reason))
         return out
 
 

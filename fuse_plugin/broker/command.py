@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     settings = BrokerSettings(
         directory=args.dir, state=args.state_dir, shim=args.shim,
         max_mounts=args.max_mounts, max_mounts_node=args.max_mounts_node,
-        max_mounts_pod=args.max_mounts_pod,
+        max_mounts_pod=args.max_mounts_pod, max_pods=args.max_pods,
         allow_other=args.allow_other, metrics_port=args.metrics_port,
         metrics_address=args.metrics_address, log_format=args.log_format,
         log_level=args.log_level)

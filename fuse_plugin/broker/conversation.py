@@ -19,6 +19,7 @@ from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker import policy, protocol, records, reports
 from fuse_plugin.broker.admission import Admission, Slot
 from fuse_plugin.broker.helper import Job
+from fuse_plugin.broker.shares import Ticket
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Conversation:
     heard: int = 0  # the helper's reports taken so far
     slot: Slot | None = None  # a mount's place under the caps, from admission to its end
     unmounting: int | None = None  # an unmount's FUSE connection, once judged
+    ticket: Ticket | None = None  # its place among the open requests, until it ends
 
     @property
     def container(self) -> str:

@@ -4,9 +4,10 @@ Follow a request from the socket to the mount here. The loop serves a
 ``SOCK_SEQPACKET`` socket in the broker directory, which Allocate binds into containers:
 
 1. accept: the kernel names the caller (``caller.identify``); per-container, per-pod and
-   node-wide limits on open connections; a connection that sent nothing is dropped at
-   its deadline. The socket refuses descriptors (``SO_PASSRIGHTS``), so a tenant cannot
-   make the loop own the last reference of a file whose close blocks.
+   node-wide limits on open connections (``shares``: each node-wide cap is a pod's share
+   times --max-pods); a connection that sent nothing is answered at its deadline. The
+   socket refuses descriptors (``SO_PASSRIGHTS``), so a tenant cannot make the loop own
+   the last reference of a file whose close blocks.
 2. the request arrives: ``Conversation.prepare`` (``conversation.py``) checks the
    message, the path and option rules (``policy``), admits a mount under the caps
    (``admission``: it takes a slot, which its record replaces or the end of the request
@@ -29,6 +30,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import selectors
@@ -41,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fuse_plugin import files, logs, sockets
-from fuse_plugin.broker import budget, frames, mountinfo, node, policy, protocol, records
+from fuse_plugin.broker import budget, frames, mountinfo, node, policy, protocol, records, shares
 from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker.admission import Admission, Limits
 from fuse_plugin.broker.conversation import Conversation
@@ -52,18 +54,15 @@ from fuse_plugin.broker.settings import DEFAULT_SHIM, BrokerSettings
 from fuse_plugin.broker.stats import BrokerStats
 from fuse_plugin.errors import EXIT_USAGE, Failure
 
-# Connections open at once: per container (a tenant holding silent connections only
-# uses its own share) and for the node (the broker's fds).
-PER_CONTAINER = 4
-MAX_CONNECTIONS = 256
-# Helper processes alive at once on the node, killed ones that have not exited included
-# (each holds descriptors and memory until it exits); a container has at most one.
-MAX_HELPERS = 64
-# Fair shares: no pod (its containers together, policy.pod_of) can take a node-wide cap
-# from the rest. A pod gets at most these of the node's connections and helpers, and
-# --max-mounts-pod of its mounts.
-PER_POD = 16
-PER_POD_HELPERS = 8
+# Fair shares (``shares``): a container gets at most PER_CONTAINER open requests (a
+# tenant holding silent connections only uses its own), a pod (its containers together,
+# policy.pod_of) PER_POD of them, PER_POD_HELPERS helpers alive (killed ones that have not
+# exited included: each holds descriptors and memory until it exits; a container has at
+# most one, and a pod's further requests wait for its own) and --max-mounts-pod mounts.
+# The node's caps are these times --max-pods.
+PER_CONTAINER = shares.PER_CONTAINER
+PER_POD = shares.PER_POD
+PER_POD_HELPERS = shares.PER_POD_HELPERS
 REQUEST_DEADLINE = 5.0  # seconds from accept to a complete request
 HELPER_DEADLINE = 5.0  # seconds a helper may take; then it is killed
 KILL_GRACE = 2.0  # a killed helper still alive after this is stuck on a FUSE daemon
@@ -92,10 +91,12 @@ class Broker:
         self.socket_path = settings.directory / protocol.SOCKET_NAME
         self.helper = settings.shim.parent / HELPER_NAME
         self.records = records.Records(settings.state)
+        self.caps = settings.caps
         # The caps, on one count of the mounts held (the records) and in flight.
         self.admission = Admission(self.records, Limits(
             per_container=settings.max_mounts, per_pod=settings.max_mounts_pod,
-            node=settings.max_mounts_node))
+            node=self.caps.mounts))
+        self.open = shares.OpenRequests(self.caps)
         self.turned = time.monotonic()
         # Published for the probe thread: replaced whole, never changed in place.
         self.mounts_held: dict[str, int] = {}
@@ -152,12 +153,28 @@ class Broker:
                 from None
         signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
         self._signals_wake = True
+        caps = self.caps
+        fd_limit = shares.raise_fd_limit(caps.descriptors)
         logs.event(self.log, "broker.serving", socket=str(self.socket_path),
                    shim=str(shim), max_mounts=settings.max_mounts,
-                   max_mounts_node=settings.max_mounts_node,
-                   max_mounts_pod=settings.max_mounts_pod, held=held,
+                   max_mounts_node=caps.mounts, max_mounts_pod=settings.max_mounts_pod,
+                   max_pods=caps.max_pods, max_requests=caps.requests,
+                   max_helpers=caps.helpers, fd_limit=fd_limit, held=held,
                    allow_other=settings.allow_other,
                    refuses_descriptors=self._refuses_descriptors)
+        self._say_short(caps, fd_limit)
+
+    def _say_short(self, caps: shares.NodeCaps, fd_limit: int) -> None:
+        """Where the settings let pods at their share fill a node-wide cap, so that the
+        shares no longer hold on a full node, say so at start: one line each."""
+        reasons = list(caps.short)
+        if fd_limit < caps.descriptors:
+            reasons.append(
+                f"the open-file limit is {fd_limit} (its hard limit), enough for "
+                f"{caps.pods_within(fd_limit)} pods at their share; --max-pods "
+                f"{caps.max_pods} needs {caps.descriptors}")
+        for reason in reasons:
+            logs.event(self.log, "broker.shares_short", logging.WARNING, reason=reason)
 
     def _listen(self) -> None:
         path = self.socket_path
@@ -270,8 +287,7 @@ class Broker:
     def _turn(self, longest: float) -> None:
         now = time.monotonic()
         self.turned = now
-        deadlines = [w.deadline for w in self._waiting.values()]
-        deadlines += [w.job.deadline for w in self._running.values() if w.job is not None]
+        deadlines = self._soonest()
         if self._paused_until:
             deadlines.append(self._paused_until)
         timeout = max(0.0, min([now + longest, *deadlines]) - now)
@@ -283,6 +299,18 @@ class Broker:
         for data in ready:
             self._survive(self._dispatch, data)
         self._survive(self._expire, time.monotonic())
+
+    def _soonest(self) -> list[float]:
+        """The next deadline of a request not yet complete and of a helper. Each table
+        is kept in the order its deadlines fall (an entry's deadline is the time it was
+        added plus a constant, and entries are only ever added at the end), so its first
+        entry has the soonest: a turn costs the same however many are open. (Listing
+        every deadline, a node's 1,760 silent connections took nearly a quarter of the
+        loop's time: bench/README.md, the broker at its caps.)"""
+        soonest = [w.deadline for w in itertools.islice(self._waiting.values(), 1)]
+        soonest += [w.job.deadline for w in itertools.islice(self._running.values(), 1)
+                    if w.job is not None]
+        return soonest
 
     def _dispatch(self, data: object) -> None:
         if data == "listen":
@@ -346,9 +374,11 @@ class Broker:
             return
         sock.setblocking(False)
         who: callers.Caller | None = None
+        ticket: shares.Ticket | None = None
+        refused: policy.Refused | None = None
         try:
             who = callers.identify(sock)
-            refused = self._over_limit(who.container)
+            ticket = self.open.admit(who.container)
         except policy.OutOfResources as refusal:
             self._pause(refusal.error)
             refused = refusal
@@ -361,7 +391,8 @@ class Broker:
             self._refuse_at_accept(sock, who, refused)
             return
         assert who is not None
-        work = Conversation(sock, who, time.monotonic() + REQUEST_DEADLINE)
+        assert ticket is not None
+        work = Conversation(sock, who, time.monotonic() + REQUEST_DEADLINE, ticket=ticket)
         work.fields.update(pid=who.pid, uid=who.uid, cgroup=who.container)
         self._waiting[sock.fileno()] = work
         # The shim sends as soon as it connects, so the request is usually there
@@ -385,26 +416,6 @@ class Broker:
         _answer(sock, protocol.encode(status="error", message=f"broker refused: {refused}"))
         if who is not None:
             who.close()
-
-    def _over_limit(self, container: str) -> policy.Refused | None:
-        everyone = self._all()
-        mine = sum(1 for w in everyone if w.container == container)
-        if mine >= PER_CONTAINER:
-            return policy.Refused(f"this container has {mine} requests open, the most it "
-                                  "may; try again", "busy")
-        pod = policy.pod_of(container)
-        ours = sum(1 for w in everyone if policy.pod_of(w.container) == pod)
-        if ours >= PER_POD:
-            return policy.Refused(f"this pod has {ours} requests open, its share of the "
-                                  "node's; try again", "busy")
-        if len(everyone) >= MAX_CONNECTIONS:
-            return policy.Refused(f"the broker is busy ({MAX_CONNECTIONS} requests open); "
-                                  "try again", "busy")
-        return None
-
-    def _all(self) -> list[Conversation]:
-        return [*self._waiting.values(), *self._running.values(),
-                *(w for q in self._queued.values() for w in q)]
 
     def _pause(self, err: OSError) -> None:
         """Out of fds: stop accepting for a moment (the backlog holds the callers) and
@@ -450,11 +461,14 @@ class Broker:
 
     def _next(self, container: str) -> None:
         """Start the container's next request once none of its helpers is alive (a
-        killed one that has not exited included: it still holds what it took)."""
+        killed one that has not exited included: it still holds what it took) and its
+        pod has fewer than its share alive; until then the request waits in its queue,
+        for helpers of its own pod only (``_wake_pod``), which end within their
+        deadline."""
         queue = self._queued.get(container)
-        while queue and not self._helper_alive(container):
+        while queue and not self._helper_alive(container) and self._pod_has_room(container):
             work = queue.popleft()
-            refused = self._helpers_full(container)
+            refused = self._helpers_full()
             if refused is not None:
                 self._refuse(work, refused)
                 continue
@@ -495,16 +509,28 @@ class Broker:
         return any(g.container == container and g.job.killed_at is not None
                    and now - g.job.killed_at >= KILL_GRACE for g in self._stuck)
 
-    def _helpers_full(self, container: str) -> policy.Refused | None:
-        alive = [*self._running, *(g.container for g in self._stuck)]
-        if len(alive) >= MAX_HELPERS:
-            return policy.Refused(f"the broker has {len(alive)} helpers alive, the most it "
-                                  "runs at once; try again", "busy")
+    def _pod_has_room(self, container: str) -> bool:
+        """Whether the container's pod has fewer than PER_POD_HELPERS helpers alive."""
         pod = policy.pod_of(container)
-        ours = sum(1 for c in alive if policy.pod_of(c) == pod)
-        if ours >= PER_POD_HELPERS:
-            return policy.Refused(f"this pod has {ours} helpers alive, its share of the "
-                                  "node's; try again", "busy")
+        alive = [*self._running, *(g.container for g in self._stuck)]
+        return sum(1 for c in alive if policy.pod_of(c) == pod) < PER_POD_HELPERS
+
+    def _wake_pod(self, container: str) -> None:
+        """One of the pod's helpers may have gone: its other containers' waiting
+        requests start, while the pod has helpers to spare."""
+        pod = policy.pod_of(container)
+        for other in [c for c in self._queued if c != container and policy.pod_of(c) == pod]:
+            if not self._pod_has_room(other):
+                return
+            self._next(other)
+
+    def _helpers_full(self) -> policy.Refused | None:
+        """The node's cap, reached only by more pods than --max-pods at their share."""
+        alive = len(self._running) + len(self._stuck)
+        if alive >= self.caps.helpers:
+            return policy.Refused(f"the broker has {alive} helpers alive, "
+                                  f"{PER_POD_HELPERS} for each of --max-pods "
+                                  f"{self.caps.max_pods} pods; try again", "busy")
         return None
 
     def _hear(self, work: Conversation) -> None:
@@ -597,17 +623,24 @@ class Broker:
         if self._running.get(work.container) is work:
             del self._running[work.container]
             self._next(work.container)
+            self._wake_pod(work.container)
 
     def _expire(self, now: float) -> None:
         if self._paused_until and now >= self._paused_until and self._listener is not None:
             self._paused_until = 0.0
             self._selector.register(self._listener, selectors.EVENT_READ, "listen")
-        for work in [w for w in self._waiting.values() if w.deadline <= now]:
+        # Soonest first, and no further than the first still in time (``_soonest``).
+        while self._waiting:
+            work = next(iter(self._waiting.values()))
+            if work.deadline > now:
+                break
             self._unwait(work)
             self._refuse(work, policy.Refused(
                 f"no complete request within {REQUEST_DEADLINE:g}s", "request"))
-        for work in [w for w in self._running.values()
-                     if w.job is not None and w.job.deadline <= now]:
+        while self._running:
+            work = next(iter(self._running.values()))
+            if work.job is None or work.job.deadline > now:
+                break
             self.stats.stalled()
             logs.event(self.log, "broker.stalled", logging.WARNING, cgroup=work.container,
                        pid=work.caller.pid, seconds=HELPER_DEADLINE)
@@ -630,6 +663,7 @@ class Broker:
                 self._selector.unregister(gone.job.pidfd)
             gone.job.close()
         self._next(gone.container)
+        self._wake_pod(gone.container)
 
     def _reap_stuck(self, now: float) -> None:
         """Killed helpers that have not died are blocked in the kernel, which in a
@@ -700,10 +734,13 @@ class Broker:
     def _end(self, work: Conversation) -> None:
         """Every request ends in ``_reply`` or ``_drop``, however it went (done, refused,
         failed, past its deadline, the broker stopping), so a mount's slot is given back
-        here, once (a slot its record took counts as that record), and before the
-        answer: a caller that asks again on hearing it finds the slot free."""
+        here, once (a slot its record took counts as that record), and so is its place
+        among the open requests, both before the answer: a caller that asks again on
+        hearing it finds them free."""
         self.admission.release(work.slot)
         work.slot = None
+        self.open.release(work.ticket)
+        work.ticket = None
 
 
 def _urgency(data: object) -> int:

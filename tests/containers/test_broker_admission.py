@@ -22,10 +22,6 @@ periodic check of the records.
 
 from __future__ import annotations
 
-import json
-import select
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,7 +34,7 @@ from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.broker import server
 from tests.lib import broker as broker_rig
 from tests.lib import oci, profiles, workloads
-from tests.lib.broker import ATTACKER_IN_CONTAINER, BrokerProcess, attack
+from tests.lib.broker import BrokerProcess, Burst, attack
 
 MAX_MOUNTS, POD_SHARE, NODE_CAP = 2, 4, 8
 ROUNDS = 10
@@ -49,7 +45,6 @@ GREEDY = (4, MAX_MOUNTS + 1)
 # The neighbours ask for what the node has beside the greedy pod's share: a pod of two
 # containers asking for one each, and a container outside any pod cgroup asking for two.
 NEIGHBOURS = ((2, 1), (1, 2))
-LINE_DEADLINE = 60.0  # seconds for a burst to say it is ready, or its outcome
 
 
 @pytest.fixture
@@ -89,52 +84,6 @@ class Tenant:
                    if point.startswith(DIRECTORY + "/"))
 
 
-class Burst:
-    """One container's ``attacker.py burst``: its requests' connections open on
-    ``go``, and its mounts unmounted on ``release``."""
-
-    def __init__(self, tenant: Tenant) -> None:
-        container = tenant.container
-        self.tenant = tenant
-        self.proc = subprocess.Popen(
-            container.runc.command("exec", container.id, "python3", ATTACKER_IN_CONTAINER,
-                                   "burst", str(tenant.asks), DIRECTORY),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            bufsize=0)
-        container.daemons.append(self.proc)
-
-    def line(self) -> dict[str, Any]:
-        """Its next JSON line, read with a deadline (it prints whole lines, flushed)."""
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + LINE_DEADLINE
-        text = b""
-        while not text.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
-            if not ready:
-                raise AssertionError(f"attacker burst said nothing within "
-                                     f"{LINE_DEADLINE:g}s (so far: {text!r})")
-            byte = self.proc.stdout.read(1)
-            if not byte:
-                raise AssertionError(f"attacker burst ended: {text!r}")
-            text += byte
-        try:
-            answer: dict[str, Any] = json.loads(text)
-        except json.JSONDecodeError:
-            raise AssertionError(f"attacker burst said: {text!r}") from None
-        return answer
-
-    def go(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(b"go\n")
-
-    def release(self) -> None:
-        """Its stdin closes: it unmounts what it got, through the broker, and exits."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(LINE_DEADLINE)
-
-
 def tenants(runc: oci.Runc, spec: oci.Spec) -> list[Tenant]:
     """The greedy pod's containers, then the neighbours'."""
     made: list[Tenant] = []
@@ -151,14 +100,14 @@ def tenants(runc: oci.Runc, spec: oci.Spec) -> list[Tenant]:
 
 def one_round(everyone: list[Tenant]) -> list[tuple[Tenant, dict[str, Any], int]]:
     """Every container asks at once; (tenant, its tally, the mounts it then holds)."""
-    bursts = [Burst(t) for t in everyone]
+    bursts = [Burst(t.container, t.asks, DIRECTORY) for t in everyone]
     try:
         for burst in bursts:
             burst.line()  # ready: its /dev/fuse opened, its mountpoints made
         for burst in bursts:
             burst.go()
         outcomes = [burst.line() for burst in bursts]
-        return [(b.tenant, o, b.tenant.held()) for b, o in zip(bursts, outcomes, strict=True)]
+        return [(t, o, t.held()) for t, o in zip(everyone, outcomes, strict=True)]
     finally:
         for burst in bursts:
             burst.release()

@@ -9,6 +9,10 @@ going through the shim. Every command prints one JSON object on stdout.
     attacker.py rename-race A B ITERATIONS PATH...
     attacker.py hold MOUNTPOINT                  mount, never serve, hold until stdin ends
     attacker.py silent N [--settle]              N connections that never say a word
+    attacker.py keep N                           N silent connections, each replaced as
+                                                 soon as the broker answers it; says how
+                                                 many it held once settled, then keeps
+                                                 them until killed (a container's init)
     attacker.py descriptors                      a lingering TCP socket over SCM_RIGHTS
     attacker.py pin-and-hide N DIR               mount, pin (O_PATH), lazy-unmount, repeat
     attacker.py swap-race DIR ITERATIONS         swap DIR/a (ours) and DIR/b (not) while
@@ -51,10 +55,12 @@ import collections
 import contextlib
 import json
 import os
+import selectors
 import socket
 import struct
 import sys
 import threading
+import time
 from typing import Any
 
 SOCKET = os.environ.get("FUSE_BROKER_SOCKET", "/run/fuse-broker/broker.sock")
@@ -227,6 +233,15 @@ def cmd_silent(args: argparse.Namespace) -> dict[str, Any]:
     if not args.settle:
         globals()["_keep"] = opened
         return {"opened": len(opened)}
+    held, refused = settled(opened)
+    globals()["_keep"] = held
+    return {"held": len(held), "refused": refused}
+
+
+def settled(opened: list[socket.socket]) -> tuple[list[socket.socket], dict[str, int]]:
+    """One more connection asks something after ``opened``: the broker takes connections
+    in order, so once it has answered that one every refusal of ``opened`` has been
+    sent. Returns those it holds (no answer yet) and the refusals of the others."""
     with connect() as last:
         send(last, [f"v={VERSION}", "op=unmount", "path=/nonexistent"])
     held: list[socket.socket] = []
@@ -240,8 +255,48 @@ def cmd_silent(args: argparse.Namespace) -> dict[str, Any]:
             continue
         refused[data.decode(errors="replace").split("message=", 1)[-1].strip("\0")] += 1
         sock.close()
-    globals()["_keep"] = held
-    return {"held": len(held), "refused": dict(refused)}
+    return held, dict(refused)
+
+
+# A connection answered sooner than this after it was made was refused at accept: the
+# next one waits as long, a tenant's pace rather than a spin against a full broker.
+REFUSED_WITHIN = 0.5
+
+
+def cmd_keep(args: argparse.Namespace) -> None:
+    """Hold N silent connections for as long as this process lives: the broker answers
+    each one at its request deadline (or at once, refused), and it is replaced by a new
+    one, so the container holds its share all the time. Prints, once settled, how many
+    the broker held (those it already answered at their deadline among them) and why it
+    refused the rest; then runs until killed."""
+    held, refused = settled([connect() for _ in range(args.n)])
+    # On a loaded node settling may outlast the request deadline: those the broker
+    # answered at their deadline were held, not refused.
+    expired = sum(refused.pop(m) for m in list(refused) if "no complete request" in m)
+    print(json.dumps({"held": len(held) + expired, "expired": expired, "refused": refused}),
+          flush=True)
+    chooser = selectors.DefaultSelector()
+
+    def hold(sock: socket.socket) -> None:
+        sock.setblocking(False)
+        chooser.register(sock, selectors.EVENT_READ, (sock, time.monotonic()))
+
+    for sock in held:
+        hold(sock)
+    due = [0.0] * (args.n - len(held))  # when each missing one is made again
+    while True:
+        now = time.monotonic()
+        for when in [w for w in due if w <= now]:
+            due.remove(when)
+            hold(connect())
+        for key, _ in chooser.select(max(0.0, min(due) - now) if due else None):
+            sock, made = key.data
+            chooser.unregister(sock)
+            with contextlib.suppress(OSError):
+                sock.recv(65536)
+            sock.close()
+            at_once = time.monotonic() - made < REFUSED_WITHIN
+            due.append(time.monotonic() + (REFUSED_WITHIN if at_once else 0.0))
 
 
 def cmd_descriptors(args: argparse.Namespace) -> dict[str, Any]:
@@ -620,6 +675,8 @@ def main() -> int:
     silent = sub.add_parser("silent")
     silent.add_argument("n", type=int)
     silent.add_argument("--settle", action="store_true")
+    keep = sub.add_parser("keep")
+    keep.add_argument("n", type=int)
     sub.add_parser("descriptors")
     pin = sub.add_parser("pin-and-hide")
     pin.add_argument("n", type=int)
@@ -629,6 +686,9 @@ def main() -> int:
     race_swap.add_argument("iterations", type=int)
     add_fuse_commands(sub)
     args = parser.parse_args()
+    if args.command == "keep":
+        cmd_keep(args)  # runs until killed
+        return 0
     commands = {"ask": cmd_ask, "chroot-ask": cmd_chroot_ask, "chroot-race": cmd_chroot_race,
                 "rename-race": cmd_rename_race, "hold": cmd_hold, "silent": cmd_silent,
                 "descriptors": cmd_descriptors, "pin-and-hide": cmd_pin_and_hide,

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,8 @@ class BrokerProcess:
         self.extra = extra
         self.log_path = workdir / "broker.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        # How Python runs the command: a benchmark may start it through code of its own.
+        self.launch: tuple[str, ...] = ("-m", "fuse_plugin")
 
     @property
     def socket(self) -> Path:
@@ -68,7 +72,7 @@ class BrokerProcess:
         served = len(self.events("broker.serving"))
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "fuse_plugin", "broker", "--dir", str(self.directory),
+                [sys.executable, *self.launch, "broker", "--dir", str(self.directory),
                  "--shim", str(self.shim), "--state-dir", str(self.state),
                  "--log-format", "json", *self.extra],
                 stdout=log, stderr=subprocess.STDOUT)
@@ -170,6 +174,53 @@ class Held:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
         self.proc.wait(30)
+
+
+class Burst:
+    """One container's ``attacker.py burst``: ``asks`` mount requests under
+    ``directory`` whose connections all open on ``go`` before any is sent, so the broker
+    has them all in flight at once; its mounts are unmounted on ``release``."""
+
+    LINE_DEADLINE = 60.0  # seconds for it to say it is ready, or its outcome
+
+    def __init__(self, container: oci.RuncContainer, asks: int, directory: str) -> None:
+        self.proc = subprocess.Popen(
+            container.runc.command("exec", container.id, "python3", ATTACKER_IN_CONTAINER,
+                                   "burst", str(asks), directory),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            bufsize=0)
+        container.daemons.append(self.proc)
+
+    def line(self) -> dict[str, Any]:
+        """Its next JSON line, read with a deadline (it prints whole lines, flushed)."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + self.LINE_DEADLINE
+        text = b""
+        while not text.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
+            if not ready:
+                raise AssertionError(f"attacker burst said nothing within "
+                                     f"{self.LINE_DEADLINE:g}s (so far: {text!r})")
+            byte = self.proc.stdout.read(1)
+            if not byte:
+                raise AssertionError(f"attacker burst ended: {text!r}")
+            text += byte
+        try:
+            answer: dict[str, Any] = json.loads(text)
+        except json.JSONDecodeError:
+            raise AssertionError(f"attacker burst said: {text!r}") from None
+        return answer
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"go\n")
+
+    def release(self) -> None:
+        """Its stdin closes: it unmounts what it got, through the broker, and exits."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(self.LINE_DEADLINE)
 
 
 # A stand-in for the broker's helper that ends up where a helper would if a tenant's

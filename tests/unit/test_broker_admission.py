@@ -212,11 +212,12 @@ def loop(tmp_path: Path, kernel: Kernel, monkeypatch: pytest.MonkeyPatch) -> Ite
 
 def mount_request(broker: Broker, container: str = A,
                   pid: int = 1) -> tuple[Conversation, socket.socket]:
-    """An admitted mount request (its slot taken, as ``prepare`` takes it); the caller's
-    end of its connection."""
+    """An admitted mount request (its place among the open requests taken, as accept
+    takes it, and its slot, as ``prepare`` takes it); the caller's end of its
+    connection."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     who = callers.Caller(pid=pid, uid=0, gid=0, pidfd=-1, container=container)
-    work = Conversation(ours, who, time.monotonic() + 5)
+    work = Conversation(ours, who, time.monotonic() + 5, ticket=broker.open.admit(container))
     work.parsed = protocol.Request(op="mount", path="/mnt/x", fuse_fd=3)
     work.slot = broker.admission.admit(container)
     return work, theirs
@@ -284,7 +285,7 @@ def caller_gone(broker: Broker, patch: pytest.MonkeyPatch) -> socket.socket:
     exited = subprocess.Popen(["true"])
     exited.wait()
     who = callers.Caller(pid=exited.pid, uid=0, gid=0, pidfd=-1, container=A)
-    work = Conversation(ours, who, time.monotonic() + 5)
+    work = Conversation(ours, who, time.monotonic() + 5, ticket=broker.open.admit(A))
     broker._waiting[ours.fileno()] = work
     theirs.send(protocol.encode(v="2", op="mount", path="/mnt/x", fuse_fd="3"))
     broker._receive(work)
@@ -317,10 +318,12 @@ ENDS: dict[str, tuple[End, str]] = {
 @pytest.mark.parametrize("end", list(ENDS))
 def test_every_end_of_a_request_gives_its_slot_back(
         loop: Broker, end: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """And its place among the open requests (``shares.OpenRequests``)."""
     drive, words = ENDS[end]
     theirs = drive(loop, monkeypatch)
     assert words in answer(theirs)
     assert (loop.admission.in_flight, loop.admission.container(A)) == (0, 0)
+    assert len(loop.open) == 0
 
 
 def test_a_mount_done_turns_its_slot_into_its_record(loop: Broker, kernel: Kernel) -> None:
@@ -337,6 +340,7 @@ def test_a_mount_done_turns_its_slot_into_its_record(loop: Broker, kernel: Kerne
     assert answer(theirs) == "ok"
     assert [s["go"] for s in job.sent] == [1, 1, 1]
     assert (loop.admission.in_flight, loop.admission.container(A)) == (0, 1)
+    assert len(loop.open) == 0
 
 
 def test_an_unmount_done_counts_its_mount_no_more(loop: Broker, kernel: Kernel) -> None:

@@ -24,6 +24,20 @@ def test_stop_sums_up_what_is_left() -> None:
     assert log.due(100.0) == []
 
 
+def test_windows_end_in_the_order_they_started() -> None:
+    """The loop asks every turn; windows are searched only up to the first still
+    running, and each ends at its own time however many there are."""
+    log = budget.LogBudget(burst=0, interval=10.0)
+    for n in range(300):
+        log.admit(f"/c{n}", "busy", "x", float(n))
+    assert log.due(9.0) == []
+    assert [s.container for s in log.due(12.0)] == ["/c0", "/c1", "/c2"]
+    log.admit("/c0", "busy", "again", 299.0)  # a new window, after every other one
+    assert [s.container for s in log.due(308.9)] == [f"/c{n}" for n in range(3, 299)]
+    assert [s.container for s in log.due(309.0)] == ["/c299", "/c0"]
+    assert log.due(400.0, everything=True) == []
+
+
 def test_long_text_is_cut_with_a_marker_and_other_values_kept() -> None:
     long = "é" * 1000  # 2,000 bytes of UTF-8
     cut = budget.bounded(long)

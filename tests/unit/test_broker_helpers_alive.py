@@ -1,5 +1,6 @@
 """Live helpers are counted (issue 26): a container whose released helper has not exited
-gets no new one, and the node runs at most ``MAX_HELPERS``, killed ones included.
+gets no new one, and the node runs at most its cap (``shares``: 2 a pod times
+--max-pods), killed ones included.
 
 The loop's bookkeeping, with stand-in jobs: a helper that cannot exit needs a process
 stuck in the kernel, which the container stage makes (test_broker_hostile.py's stuck
@@ -100,10 +101,43 @@ def test_once_it_has_exited_the_container_gets_its_next_helper(broker: Broker) -
     assert "cannot start fuse-broker-helper" in answer(caller_end)
 
 
-def test_the_node_runs_at_most_max_helpers_killed_ones_included(broker: Broker) -> None:
-    for n in range(server.MAX_HELPERS):
+def test_the_node_runs_at_most_its_cap_of_helpers_killed_ones_included(
+        broker: Broker) -> None:
+    """The cap is only met on a node running more pods than --max-pods: here every
+    container is a pod of its own (outside any pod cgroup)."""
+    for n in range(broker.caps.helpers):
         stuck(broker, f"/pod/{n}", killed_at=time.monotonic())
     caller_end = queue(broker, "/pod/other")
     broker._next("/pod/other")
     assert STARTED == []
-    assert f"{server.MAX_HELPERS} helpers alive" in answer(caller_end)
+    assert f"{broker.caps.helpers} helpers alive, 2 for each of --max-pods 110 pods" \
+        in answer(caller_end)
+
+
+POD = "/kubepods/besteffort/pod0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+NEIGHBOUR = "/kubepods/besteffort/pod11111111-2222-3333-4444-555555555555"
+
+
+def test_a_pods_requests_beyond_its_share_of_helpers_wait_for_its_own(
+        broker: Broker) -> None:
+    """Two of the pod's containers have helpers alive (its share): a third container's
+    request waits, neither refused nor started, while another pod's starts at once; when
+    one of the pod's own helpers has gone, the waiting request starts."""
+    first = stuck(broker, f"{POD}/a", killed_at=time.monotonic())
+    stuck(broker, f"{POD}/b", killed_at=time.monotonic())
+    waiting = queue(broker, f"{POD}/c")
+    broker._next(f"{POD}/c")
+    assert STARTED == []
+    assert len(broker._queued[f"{POD}/c"]) == 1
+    waiting.setblocking(False)
+    with pytest.raises(BlockingIOError):  # no answer: it waits
+        waiting.recv(protocol.MAX_MESSAGE)
+    neighbour = queue(broker, f"{NEIGHBOUR}/a")
+    broker._next(f"{NEIGHBOUR}/a")
+    assert len(STARTED) == 1
+    assert "cannot start fuse-broker-helper" in answer(neighbour)
+    first.is_gone = True
+    broker._gone(broker._stuck[0])
+    assert len(STARTED) == 2
+    assert "cannot start fuse-broker-helper" in answer(waiting)
+    assert f"{POD}/c" not in broker._queued
