@@ -111,6 +111,7 @@ class Broker:
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._signals_wake = False
         self._stopping = False
+        self._closed = False
         self._refuses_descriptors = False
         self._paused_until = 0.0
         self._pruned = 0.0
@@ -228,7 +229,11 @@ class Broker:
         else is held (a silent connection does not hold the drain), those not yet acted
         on are refused with ``retry``, which the shim asks the next broker again for, and
         their helpers killed. A helper already told to mount or unmount cannot be undone
-        and asked again elsewhere: it finishes, or fails at its own deadline."""
+        and asked again elsewhere: it finishes, or fails at its own deadline. Once closed,
+        closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop_listening()
         end = time.monotonic() + STOP_GRACE
         self._turn(0.0)  # requests that arrived since the last turn: held from now on

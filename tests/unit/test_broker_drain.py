@@ -34,8 +34,8 @@ from tests.lib import broker as broker_rig
 from tests.lib.manifests import MANIFESTS, one, pod_spec
 from tests.lib.waiting import wait_for
 
-POD = "/kubepods/pod0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
-A, B, C, D = (f"{POD}/{name}" for name in "abcd")
+# Four pods, one container each: a pod's helper share (2) never holds one back here.
+A, B, C, D = (f"/kubepods/pod0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f{n}/c" for n in range(4))
 MARK = {"status": "mark", "mark_dev": "", "mark_root": ""}  # the loop's own, unstarted
 FACTS = {"status": "facts", "mount": "41", "fstype": "ext4", "mount_point": "/mnt",
          "shared": "0", "mode": "755", "owner": "0", "writable": "1", "uid": "0",
