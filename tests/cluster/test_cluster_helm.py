@@ -202,7 +202,7 @@ def test_install_upgrade_rollback_uninstall_with_a_pod_reading_throughout(
     delete_sshfs_example(kubectl, api)
     uninstalled = helm("uninstall", RELEASE, "--wait", "--timeout=3m")
     wait_for(lambda: not any(exists(kubectl, *o) for o in objects) or None, 180,
-             "every object of the release to be gone",
+             "every object of the release to be gone", interval=2,
              detail=lambda: str([o for o in objects if exists(kubectl, *o)]))
     left = ours_left(kubectl)
     records = kubectl("get", "secrets", "-n", RELEASE_NS, "-l", f"owner=helm,name={RELEASE}",
