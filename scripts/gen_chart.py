@@ -70,10 +70,6 @@ class Variant:
         on = {"broker": self.mode == "broker", "cdi": self.cdi, "dra": self.dra}
         return [c for c in COMPONENTS if on[c]]
 
-    @property
-    def values(self) -> dict[str, Any]:
-        return {"mode": self.mode, "dra": self.dra, "cdi": self.cdi}
-
     def set_args(self) -> list[str]:
         """``helm template`` arguments giving these values."""
         return [f"--set=mode={self.mode}", f"--set=dra={str(self.dra).lower()}",
