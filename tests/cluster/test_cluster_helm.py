@@ -48,8 +48,9 @@ RELEASE = "fuse-device-plugin"
 # Where Helm keeps its record of the release (the objects go to namespace.name).
 RELEASE_NS = "default"
 BROKER_ENV = "FUSE_DEVICE_PLUGIN_BROKER_DIR"
+# The example's root filesystem is read-only: the reader counts in its /dev/shm (tmpfs).
 READER = ("nohup setsid sh -c 'while :; do if cat /mnt/remote/helm.txt >/dev/null; "
-          "then echo ok; else echo FAIL; fi >> /tmp/reads; sleep 0.2; done' "
+          "then echo ok; else echo FAIL; fi >> /dev/shm/reads; sleep 0.2; done' "
           ">/dev/null 2>&1 &")
 # Every kind the chart renders in any mode, for the look after uninstall.
 KINDS = ("namespaces,daemonsets,configmaps,networkpolicies,serviceaccounts,clusterroles,"
@@ -101,7 +102,7 @@ def image_values(images: dict[str, str]) -> list[str]:
 
 def reads(kubectl: Kubectl) -> tuple[int, int]:
     """The reader's (good, failed) reads so far."""
-    out = exec_in(kubectl, EXAMPLES_NS, SSHFS_POD, "cat /tmp/reads").split()
+    out = exec_in(kubectl, EXAMPLES_NS, SSHFS_POD, "cat /dev/shm/reads").split()
     return out.count("ok"), out.count("FAIL")
 
 
@@ -155,7 +156,10 @@ def reading_pod(*, helm: Helm, kubectl: Kubectl, api: Api, servers: Servers,
         try:
             wait_mounted(kubectl, api, SSHFS_POD, "/mnt/remote", "fuse.sshfs")
             exec_in(kubectl, EXAMPLES_NS, SSHFS_POD, READER)
-            wait_for(lambda: reads(kubectl)[0] > 0 or None, 30, "the reader's first read")
+            wait_for(lambda: reads(kubectl)[0] > 0 or None, 60, "the reader's first read",
+                     interval=1, detail=lambda: exec_in(
+                         kubectl, EXAMPLES_NS, SSHFS_POD,
+                         "tail -3 /dev/shm/reads; ls -la /mnt/remote; cat /mnt/remote/helm.txt"))
             yield
         finally:
             delete_sshfs_example(kubectl, api)
