@@ -48,7 +48,8 @@ RELEASE = "fuse-device-plugin"
 # Where Helm keeps its record of the release (the objects go to namespace.name).
 RELEASE_NS = "default"
 BROKER_ENV = "FUSE_DEVICE_PLUGIN_BROKER_DIR"
-# The example's root filesystem is read-only: the reader counts in its /dev/shm (tmpfs).
+# The reader counts in /dev/shm, a tmpfs writable whatever the root filesystem (the
+# example's is readOnlyRootFilesystem).
 READER = ("nohup setsid sh -c 'while :; do if cat /mnt/remote/helm.txt >/dev/null; "
           "then echo ok; else echo FAIL; fi >> /dev/shm/reads; sleep 0.2; done' "
           ">/dev/null 2>&1 &")
