@@ -26,7 +26,8 @@ PACKAGES = ROOT / "scripts" / "apt-packages.txt"
 GUEST_ONLY = {"confined.sh", "guest-tests.sh", "workloads.sh", "init"}
 HOST_SCRIPTS = sorted(
     [p for p in ROOT.glob("tests/**/*.sh") if p.name not in GUEST_ONLY]
-    + [ROOT / "scripts" / "install", ROOT / "scripts" / "test", ROOT / ".ci" / "run"])
+    + [ROOT / "scripts" / "install", ROOT / "scripts" / "test", ROOT / "scripts" / "build-helm",
+       ROOT / ".ci" / "run"])
 PYTHON_SOURCES = sorted(
     p for p in [*ROOT.glob("tests/**/*.py"), *ROOT.glob("fuse_plugin/**/*.py"),
                 *ROOT.glob("bench/*.py"), *ROOT.glob("scripts/*.py")]
