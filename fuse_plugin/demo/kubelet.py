@@ -115,6 +115,7 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
         self.registrations: list[Registration] = []
         self.refusals: list[str] = []
         self.unhealthy_marks: list[UnhealthyMark] = []
+        self.streams_ended = 0  # ListAndWatch streams that ended, handled or not
         self._clients: dict[str, list[_Client]] = {}
         self._store: dict[str, dict[Path, _Endpoint]] = {}
         self._current: dict[str, _Endpoint] = {}
@@ -278,6 +279,8 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
         except grpc.RpcError:
             pass
         with self._cond:
+            self.streams_ended += 1
+            self._cond.notify_all()
             found = next((c for c in self._clients.get(client.resource, [])
                           if c.path == client.path), None)
             if found is None:
