@@ -156,6 +156,7 @@ class Lifecycle:
         self._handoff_deadline = 0.0
         self._handoff_over = False
         self._hurry = threading.Event()
+        self._stop_lock = threading.Lock()
         self._executor = futures.ThreadPoolExecutor(max_workers=WORKERS,
                                                     thread_name_prefix="grpc")
         # Its threads wake every `timeout` s to check for stop; the safety net is as slow.
@@ -168,9 +169,10 @@ class Lifecycle:
     def stop(self) -> None:
         """Stop: at once, or after the hand-off (``--handoff-wait``); a second call
         gives the hand-off up."""
-        if self._stop.is_set():
-            self._hurry.set()
-        self._stop.set()
+        with self._stop_lock:  # two signals at once are two stops, not one
+            if self._stop.is_set():
+                self._hurry.set()
+            self._stop.set()
         self._wake.set()
 
     def mark(self, what: Change) -> None:
