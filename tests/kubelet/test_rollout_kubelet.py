@@ -5,9 +5,10 @@ unhealthy only when its last endpoint disconnects (``PluginDisconnected``, log l
 ``Mark all resources Unhealthy for resource``); a pod admitted then is rejected for good.
 First the old way, on one socket: the gap, and a pod rejected in it. Then the new way,
 with a static pod asking for the resource every second throughout: the release before
-this one (one socket, no hand-off) replaced by an instance, that instance by the next
-as a ``maxSurge`` rollout does (the new one registered, then the old one stopped), and
-that one stopped before its successor even started, as a deleted pod is (``--handoff-wait``).
+this one (one socket, no hand-off) replaced by an instance, then six more replacements,
+in turn as a ``maxSurge`` rollout does (the new one registered, then the old one
+stopped) and as a deleted pod is (the old one stopped first; ``--handoff-wait`` keeps it
+serving until its successor has registered).
 Every pod must run; the kubelet must never log the mark. Times go to evidence.txt and
 bench/README.md, not into assertions.
 """
@@ -39,6 +40,8 @@ from tests.kubelet.static_pods import (
 ROLL_SLOTS = 16
 POD_EVERY = 1.0
 HANDOFF_WAIT = 20
+# Rollouts after the first: a surge, then a deleted pod, in turn.
+ROUNDS = 6
 MARK = r'"Mark all resources Unhealthy for resource" resourceName="github.com/fuse"'
 HEALTHY = (r'"Processed device updates for resource" resourceName="github.com/fuse" '
            r'totalCount=\d+ healthyCount=[1-9]')
@@ -173,20 +176,61 @@ def test_one_socket_restart_leaves_a_gap_a_pod_is_rejected_in(kube_node: Any) ->
     since = nodemod.log_size(KUBELET_LOG)
     restart_legacy(kube_node, SLOTS)
     healthy_again = kubelet_line(since, HEALTHY, "the restarted plugin's devices")
-    # A restart with nothing waited for: stop, start at once.
-    since = nodemod.log_size(KUBELET_LOG)
-    stopped = time.monotonic()
-    kube_node.stop("plugin")
-    kube_node.start_plugin(SLOTS)
-    gap_start = kubelet_line(since, MARK, "the mark of the plain restart")
-    gap_end = kubelet_line(since, HEALTHY, "the plain restart's devices")
-    wait_registered(kube_node, since, "after the plain restart")
-    gap = klog_seconds(gap_end) - klog_seconds(gap_start)
+    # Restarts with nothing waited for: stop, start at once.
+    gaps = []
+    for _ in range(3):
+        since = nodemod.log_size(KUBELET_LOG)
+        kube_node.stop("plugin")
+        kube_node.start_plugin(SLOTS)
+        gap_start = kubelet_line(since, MARK, "the mark of the plain restart")
+        gap_end = kubelet_line(since, HEALTHY, "the plain restart's devices")
+        gaps.append(klog_seconds(gap_end) - klog_seconds(gap_start))
+        wait_registered(kube_node, since, "after the plain restart")
     evidence("rollout-one-socket", [
         mark, f"pod admitted in the gap -> Failed: {status.get('message')}", healthy_again,
-        f"plain restart (SIGTERM, exec at once, {time.monotonic() - stopped:.2f}s to "
-        f"registered): slots unhealthy for {gap:.3f}s (kubelet log, mark -> healthy list)",
+        "plain restarts (SIGTERM, the next process started once it exited): slots "
+        "unhealthy for " + ", ".join(f"{g:.3f}" for g in gaps)
+        + " s (kubelet log, mark -> first healthy list)",
     ])
+
+
+def surge(node: Any, old: str, new: str) -> str:
+    """What maxSurge does on a node: ``new`` starts and registers, then ``old`` gets
+    SIGTERM; its hand-off is over at once. One line of times for the evidence."""
+    since, started = start_instance(node, f"plugin-{new}", new)
+    new_in = kubelet_line(since, connected(socket_of(new)), f"instance {new} connected")
+    registered = time.monotonic() - started
+    took = stop_and_wait(node, f"plugin-{old}")
+    old_out = kubelet_line(since, disconnected(socket_of(old)), f"instance {old} disconnected")
+    [done] = plugin_events(f"plugin-{old}", "handoff.done")
+    assert done["successor"] == socket_of(new), done
+    return (f"surge {old}->{new}: {new} registered {registered:.2f}s after its start; "
+            f"{old} exited {took:.2f}s after SIGTERM (hand-off {done['waited_ms']} ms); "
+            f"both endpoints up {klog_seconds(old_out) - klog_seconds(new_in):.3f}s")
+
+
+def handoff(node: Any, old: str, new: str) -> str:
+    """What a deleted pod is: ``old`` gets SIGTERM first and waits; its replacement
+    ``new`` starts meanwhile and registers; then ``old`` goes."""
+    since = nodemod.log_size(KUBELET_LOG)
+    stopping = time.monotonic()
+    node.send_signal(f"plugin-{old}", signal.SIGTERM)
+    nodemod.wait_for(lambda: plugin_events(f"plugin-{old}", "handoff.waiting"), 10,
+                     f"{old} to wait for a successor", interval=0.1)
+    assert node.alive(f"plugin-{old}"), f"{old} exited instead of waiting for a successor"
+    _, started = start_instance(node, f"plugin-{new}", new)
+    new_in = kubelet_line(since, connected(socket_of(new)), f"instance {new} connected")
+    registered = time.monotonic() - started
+    nodemod.wait_for(lambda: not node.alive(f"plugin-{old}"), HANDOFF_WAIT + 10,
+                     f"{old} to exit after the hand-off", interval=0.1)
+    took = time.monotonic() - stopping
+    node.stop(f"plugin-{old}")
+    old_out = kubelet_line(since, disconnected(socket_of(old)), f"instance {old} disconnected")
+    [done] = plugin_events(f"plugin-{old}", "handoff.done")
+    assert done["successor"] == socket_of(new), done
+    return (f"hand-off {old}->{new}: {new} registered {registered:.2f}s after its start; "
+            f"{old} exited {took:.2f}s after SIGTERM (hand-off {done['waited_ms']} ms); "
+            f"both endpoints up {klog_seconds(old_out) - klog_seconds(new_in):.3f}s")
 
 
 def test_rollouts_with_a_pod_every_second_reject_none(kube_node: Any) -> None:
@@ -196,44 +240,17 @@ def test_rollouts_with_a_pod_every_second_reject_none(kube_node: Any) -> None:
     stream = PodStream(node).start()
     steps: list[str] = []
     try:
-        # 1. The release before this one, replaced by one with a socket of its own.
-        since, started = start_instance(node, "plugin-a", "a")
-        line = kubelet_line(since, connected(socket_of("a")), "instance a connected")
-        steps.append(f"a registered beside the one-socket plugin in "
-                     f"{time.monotonic() - started:.2f}s: {line}")
+        # The release before this one (one socket, no hand-off) replaced by an instance.
+        since, started = start_instance(node, "plugin-r0", "r0")
+        kubelet_line(since, connected(socket_of("r0")), "instance r0 connected")
+        registered = time.monotonic() - started
         took = stop_and_wait(node, "plugin")
-        steps.append(f"one-socket plugin stopped in {took:.2f}s (no hand-off in that release)")
-        # 2. maxSurge: b starts and registers, then a gets SIGTERM; b is there already.
-        since, started = start_instance(node, "plugin-b", "b")
-        b_in = kubelet_line(since, connected(socket_of("b")), "instance b connected")
-        steps.append(f"b registered in {time.monotonic() - started:.2f}s")
-        took = stop_and_wait(node, "plugin-a")
-        a_out = kubelet_line(since, disconnected(socket_of("a")), "instance a disconnected")
-        [done] = plugin_events("plugin-a", "handoff.done")
-        steps.append(f"a stopped in {took:.2f}s, handed off to {done['successor']} after "
-                     f"{done['waited_ms']} ms; both endpoints up for "
-                     f"{klog_seconds(a_out) - klog_seconds(b_in):.2f}s")
-        # 3. A deleted pod: b gets SIGTERM first, its replacement c starts meanwhile.
-        since = nodemod.log_size(KUBELET_LOG)
-        stopping = time.monotonic()
-        node.send_signal("plugin-b", signal.SIGTERM)
-        nodemod.wait_for(lambda: plugin_events("plugin-b", "handoff.waiting"), 10,
-                         "b to wait for a successor", interval=0.1)
-        assert node.alive("plugin-b"), "b exited instead of waiting for a successor"
-        _, started = start_instance(node, "plugin-c", "c")
-        c_in = kubelet_line(since, connected(socket_of("c")), "instance c connected")
-        c_took = time.monotonic() - started
-        nodemod.wait_for(lambda: not node.alive("plugin-b"), HANDOFF_WAIT + 10,
-                         "b to exit after the hand-off", interval=0.1)
-        b_took = time.monotonic() - stopping
-        node.stop("plugin-b")
-        b_out = kubelet_line(since, disconnected(socket_of("b")), "instance b disconnected")
-        [done] = plugin_events("plugin-b", "handoff.done")
-        steps.append(f"b got SIGTERM before c started: c registered {c_took:.2f}s after its "
-                     f"start, b exited {b_took:.2f}s after its SIGTERM (hand-off "
-                     f"{done['waited_ms']} ms, to {done['successor']}); both endpoints up "
-                     f"for {klog_seconds(b_out) - klog_seconds(c_in):.2f}s")
-        # Pods for a few more seconds on c alone.
+        steps.append(f"one-socket plugin -> r0: r0 registered {registered:.2f}s after its "
+                     f"start; the one-socket plugin exited {took:.2f}s after SIGTERM")
+        # Then rollouts and deleted pods in turn, the pods arriving all along.
+        for round_ in range(1, ROUNDS + 1):
+            roll = surge if round_ % 2 else handoff
+            steps.append(roll(node, f"r{round_ - 1}", f"r{round_}"))
         more = len(stream.runs) + 3
         nodemod.wait_for(lambda: len(stream.runs) >= more, 10, "three more pods")
     finally:
@@ -247,5 +264,3 @@ def test_rollouts_with_a_pod_every_second_reject_none(kube_node: Any) -> None:
                                  f"lines: {len(marks)}"])
     assert not failed, f"pods that did not run: {failed}\n{stream.report()}"
     assert not marks, "the kubelet marked the slots unhealthy:\n" + "\n".join(marks)
-    assert plugin_events("plugin-a", "handoff.done")[0]["successor"] == socket_of("b")
-    assert plugin_events("plugin-b", "handoff.done")[0]["successor"] == socket_of("c")
