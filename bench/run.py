@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -43,7 +44,8 @@ import yaml
 from bench import deployed
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.api import api_pb2_grpc
-from fuse_plugin.config import API_VERSION
+from fuse_plugin.args import ENV_PREFIX
+from fuse_plugin.config import API_VERSION, Settings
 from fuse_plugin.devices import slot_ids
 from tests.lib.kubelet import KubeletStandIn
 from tests.lib.node import FakeNode
@@ -133,6 +135,7 @@ class Proc:
     resource: str
     started: float
     metrics_port: int = 0
+    handoff: bool = False
 
     @property
     def pid(self) -> int:
@@ -151,6 +154,8 @@ class Proc:
         return sum(_schedstat(self.pid, tid)[0] for tid in self.tasks()) / 1e9
 
     def stop(self) -> None:
+        if self.handoff and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGINT)
         stop_process(self.popen)
 
 
@@ -177,8 +182,9 @@ def free_port() -> int:
 
 
 def deployed_flags() -> list[str]:
-    """``serve``'s flags as the DaemonSet passes them, read from its manifest."""
-    return deployed.flags(DAEMONSET, "serve")
+    """``serve``'s flags as the DaemonSet passes them, read from its manifest: its args,
+    then its environment twins (the instance, from the pod UID)."""
+    return [*deployed.flags(DAEMONSET, "serve"), *deployed.env_flags(DAEMONSET, ENV_PREFIX)]
 
 
 def plugin_command() -> list[str]:
@@ -201,11 +207,16 @@ def start_plugin(node: FakeNode, slots: int, flags: Sequence[str]) -> Proc:
         else:
             argv.append(flag)
     log = node.root / f"plugin-{time.monotonic_ns()}.log"
+    instance = next((f.split("=", 1)[1] for f in flags if f.startswith("--instance=")), "")
+    socket_name = Settings(resource_name=RESOURCE, instance=instance).socket_name
+    # A plugin told to hand off (--handoff-wait) has no successor here: a second stop
+    # signal stops it at once (SIGINT: a second SIGTERM may merge with the first).
+    handoff = any(f.startswith("--handoff-wait=") for f in flags)
     with log.open("wb") as out:
         started = time.perf_counter()
         popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    return Proc(popen, log, node.plugin_dir / (RESOURCE.replace("/", "_") + ".sock"), RESOURCE,
-                started, port)
+    return Proc(popen, log, node.plugin_dir / socket_name, RESOURCE, started, port,
+                handoff=handoff)
 
 
 def write_floor_constants(directory: Path, device: Path, slots: int) -> None:

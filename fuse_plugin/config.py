@@ -44,11 +44,17 @@ class Settings:
     cdi: bool = False
     cdi_dir: Path = DEFAULT_CDI_DIR
     broker_dir: Path | None = None
+    instance: str = ""
+    handoff_wait: int = 0
 
     @property
     def socket_name(self) -> str:
-        """Our endpoint's file name; derived from the resource so two plugins never collide."""
-        return self.resource_name.replace("/", "_") + ".sock"
+        """Our endpoint's file name: derived from the resource so that two plugins never
+        collide, and from ``instance`` so that two pods of one DaemonSet do not either.
+        The kubelet keeps one endpoint per socket path: only on a path of its own can a
+        new pod register while the old one still serves (docs/operability.md#upgrades)."""
+        base = socket_base(self.resource_name)
+        return f"{base}-{self.instance}.sock" if self.instance else f"{base}.sock"
 
     @property
     def socket_path(self) -> Path:
@@ -57,6 +63,28 @@ class Settings:
     @property
     def kubelet_socket(self) -> Path:
         return self.device_plugin_dir / KUBELET_SOCKET
+
+
+def socket_base(resource: str) -> str:
+    """What every socket name of ``resource``'s plugins starts with."""
+    return resource.replace("/", "_")
+
+
+def sibling_socket(resource: str) -> re.Pattern[str]:
+    """The socket names a plugin for ``resource`` may have, with or without an instance.
+    Another resource's name can match too (``github.com/fuse-x`` looks like an instance
+    ``x`` of ``github.com/fuse``): whoever finds one asks it which resource it serves."""
+    return re.compile(rf"{re.escape(socket_base(resource))}(-{_NAME.pattern})?\.sock")
+
+
+def instance(text: str) -> str:
+    """An instance name for the socket: empty (none), or what a pod's UID or name is,
+    1-63 characters of [A-Za-z0-9-_.]. A slash or a space would make no socket name."""
+    if text and (len(text) > 63 or not _NAME.fullmatch(text)):
+        raise argparse.ArgumentTypeError(
+            f"must be empty or 1-63 characters of [A-Za-z0-9-_.], starting and ending "
+            f"alphanumeric (a pod UID or name), got {args.shown(text)}")
+    return text
 
 
 def resource_name(text: str) -> str:
@@ -90,6 +118,9 @@ def resource_name(text: str) -> str:
 
 
 slots = args.count(1, MAX_SLOTS)
+# The DaemonSet's terminationGracePeriodSeconds caps any wait longer than this anyway.
+MAX_HANDOFF_WAIT = 300
+handoff_wait = args.count(0, MAX_HANDOFF_WAIT)
 
 
 def plugin_dir(text: str) -> Path:
@@ -119,6 +150,13 @@ SERVE_FLAGS: tuple[tuple[str, Callable[[str], object], str], ...] = (
     ("--broker-dir", args.optional_path,
      "broker mode: the broker's host directory, bound with its fusermount3 shim into "
      "every container (docs/broker.md); empty: off"),
+    ("--instance", instance,
+     "a name of this plugin instance (the DaemonSet passes the pod UID): the socket becomes "
+     "<resource>-<instance>.sock, so that a new pod registers before the old one stops; "
+     "empty: <resource>.sock"),
+    ("--handoff-wait", handoff_wait,
+     "seconds to keep serving after SIGTERM until another instance for the resource has "
+     "registered with the kubelet (needs --instance); 0: stop at once"),
 )
 
 
@@ -144,6 +182,9 @@ def from_args(parsed: argparse.Namespace) -> Settings:
     settings = Settings(**{f.name: getattr(parsed, f.name) for f in fields(Settings)})
     too_long = sockets.too_long(settings.socket_path)
     if too_long:
-        raise Failure(f"the plugin's socket {too_long}: use a shorter --device-plugin-dir "
-                      "or --resource-name", EXIT_USAGE)
+        raise Failure(f"the plugin's socket {too_long}: use a shorter --device-plugin-dir, "
+                      "--resource-name or --instance", EXIT_USAGE)
+    if settings.handoff_wait and not settings.instance:
+        raise Failure("--handoff-wait needs --instance: a successor can only register "
+                      "beside this plugin on a socket of its own", EXIT_USAGE)
     return settings

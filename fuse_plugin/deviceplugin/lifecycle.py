@@ -8,6 +8,11 @@ kubelet that restarts mid-call is dropped at once for the new one. A slow period
 check catches anything a lost event would miss, whatever else is failing. The device
 model and the RPCs live in ``devices`` and ``servicer``; nothing here knows what a FUSE
 device is.
+
+Follow a rollout here too: with ``--instance`` our socket's name is ours alone, so a new
+pod serves and registers beside the old one (the kubelet keeps both endpoints). On
+SIGTERM, ``--handoff-wait`` keeps the loop turning until another instance for our
+resource says it is registered (``handoff``); only then does the socket go.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from watchdog.observers import Observer
 from fuse_plugin import files, logs, sockets
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.api import api_pb2_grpc
-from fuse_plugin.config import API_VERSION, Settings
+from fuse_plugin.config import API_VERSION, Settings, sibling_socket
+from fuse_plugin.deviceplugin import handoff
 from fuse_plugin.deviceplugin.servicer import WORKERS, FuseServicer, add_to_server
 from fuse_plugin.devices import DeviceState
 from fuse_plugin.stats import Stats
@@ -70,6 +76,7 @@ class Change(enum.Enum):
     KUBELET = "kubelet"  # a kubelet.sock appeared or went
     SOCKET = "socket"  # our socket file
     DIRECTORY = "directory"  # the device-plugin directory itself went or came back
+    SIBLING = "sibling"  # another socket our resource's plugins may serve
 
 
 @dataclass
@@ -86,6 +93,7 @@ class _Events(FileSystemEventHandler):
 
     def __init__(self, plugin: Lifecycle) -> None:
         self._plugin = plugin
+        self._siblings = sibling_socket(plugin.settings.resource_name)
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         settings = self._plugin.settings
@@ -100,6 +108,13 @@ class _Events(FileSystemEventHandler):
             self._plugin.mark(Change.SOCKET)
         if str(settings.device_plugin_dir) in paths and event.event_type != "modified":
             self._plugin.mark(Change.DIRECTORY)  # the directory itself went or came back
+        if any(self._is_sibling(Path(p)) for p in paths if p):
+            self._plugin.mark(Change.SIBLING)
+
+    def _is_sibling(self, path: Path) -> bool:
+        settings = self._plugin.settings
+        return path.parent == settings.device_plugin_dir and \
+            path.name != settings.socket_name and bool(self._siblings.fullmatch(path.name))
 
 
 class Lifecycle:
@@ -134,6 +149,14 @@ class Lifecycle:
         self._retry_at = 0.0
         self._backoff = BACKOFF_FIRST
         self._in_use_logged = False
+        # After stop(): the successors asked (--handoff-wait), until when, and whether
+        # the hand-off is over; a second stop() hurries it.
+        self._handoff: handoff.Successors | None = None
+        self._handoff_started = 0.0
+        self._handoff_deadline = 0.0
+        self._handoff_over = False
+        self._hurry = threading.Event()
+        self._stop_lock = threading.Lock()
         self._executor = futures.ThreadPoolExecutor(max_workers=WORKERS,
                                                     thread_name_prefix="grpc")
         # Its threads wake every `timeout` s to check for stop; the safety net is as slow.
@@ -144,7 +167,12 @@ class Lifecycle:
     # -- called from other threads -------------------------------------------------
 
     def stop(self) -> None:
-        self._stop.set()
+        """Stop: at once, or after the hand-off (``--handoff-wait``); a second call
+        gives the hand-off up."""
+        with self._stop_lock:  # two signals at once are two stops, not one
+            if self._stop.is_set():
+                self._hurry.set()
+            self._stop.set()
         self._wake.set()
 
     def mark(self, what: Change) -> None:
@@ -164,6 +192,12 @@ class Lifecycle:
         with self._turned:
             return self._turned.wait_for(predicate, timeout)
 
+    def registered_within(self, timeout: float) -> bool:
+        """Whether the kubelet has accepted us, waiting up to ``timeout`` seconds for it
+        (a successor's answer to an old plugin handing off); False once we stop."""
+        self.wait_until(lambda: self.status.registered or not self._running, timeout)
+        return self.status.registered and self._running
+
     # -- the loop ------------------------------------------------------------------
 
     def run(self) -> int:
@@ -171,13 +205,14 @@ class Lifecycle:
         self._observer.daemon = True
         self._observer.start()
         self._rewatch()
+        handoff.remove_stale(self.settings, self._log)
         logs.event(self._log, "start", socket=str(self.settings.socket_path),
                    device=str(self.state.device), health=self.state.health.value,
                    slots=len(self.state.ids), reason=self.state.reason)
         next_safety = time.monotonic() + SAFETY_INTERVAL
         self._running = True
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() or self._handing_off(time.monotonic()):
                 now = time.monotonic()
                 self.status.last_turn = now
                 self._wake.clear()
@@ -192,6 +227,8 @@ class Lifecycle:
                     deadline = min(deadline, self._retry_at)
                 if self._pending is not None:
                     deadline = min(deadline, self._pending.deadline)
+                if self._handoff is not None:
+                    deadline = min(deadline, self._handoff_deadline)
                 self._wake.wait(max(0.0, deadline - time.monotonic()))
         finally:
             self._running = False
@@ -210,6 +247,8 @@ class Lifecycle:
             self._rewatch()
         if Change.DEVICE in marks:
             self._refresh_device()
+        if Change.SIBLING in marks and self._handoff is not None:
+            self._handoff.look()
         if marks & {Change.SOCKET, Change.DIRECTORY} and not self.owns_socket():
             self._need_serve = True
             self._retry_at = now  # our socket went: no reason to wait
@@ -224,6 +263,49 @@ class Lifecycle:
             self._serve()
         if not self._need_serve and self._need_register and self._pending is None:
             self._register()
+
+    def _handing_off(self, now: float) -> bool:
+        """After stop(): whether to keep serving because a successor may still register.
+
+        Only a registered plugin hands off: the kubelet has no endpoint of ours to lose
+        otherwise. The hand-off ends when a sibling socket answers that it is registered
+        for our resource, at ``--handoff-wait``, or at a second stop().
+        """
+        if self._handoff_over:
+            return False
+        if self._handoff is None:
+            if not self.settings.handoff_wait or not self.status.registered \
+                    or self._hurry.is_set():
+                self._handoff_over = True
+                return False
+            self._handoff_started = now
+            self._handoff_deadline = now + self.settings.handoff_wait
+            self._handoff = handoff.Successors(self.settings, self._handoff_deadline,
+                                               time.monotonic, self._wake.set)
+            logs.event(self._log, "handoff.waiting", socket=str(self.settings.socket_path),
+                       seconds=self.settings.handoff_wait)
+            self._handoff.look()
+        found = self._handoff.collect()
+        waited = round((now - self._handoff_started) * 1000, 1)
+        if found:
+            logs.event(self._log, "handoff.done", successor=found, waited_ms=waited)
+        elif self._hurry.is_set():
+            logs.event(self._log, "handoff.abandoned", logging.WARNING, waited_ms=waited,
+                       reason="stopped again")
+        elif now >= self._handoff_deadline:
+            logs.event(self._log, "handoff.timeout", logging.WARNING, waited_ms=waited,
+                       reason="no other instance registered for the resource: the kubelet "
+                       "marks its devices unhealthy when this socket goes")
+        else:
+            return True
+        self._end_handoff()
+        return False
+
+    def _end_handoff(self) -> None:
+        self._handoff_over = True
+        if self._handoff is not None:
+            self._handoff.close()
+            self._handoff = None
 
     def _retry_waits(self) -> bool:
         """Something waits only for its retry time. Register without a kubelet.sock waits
@@ -308,6 +390,7 @@ class Lifecycle:
             return
         server = grpc.server(self._executor, options=[("grpc.so_reuseport", 0)])
         add_to_server(self.servicer, server)
+        handoff.add_to_server(server, self.settings.resource_name, self.registered_within)
         try:
             server.add_insecure_port(f"unix://{path}")
         except RuntimeError:
@@ -433,11 +516,16 @@ class Lifecycle:
             self._retry_at = 0.0
         if self._pending is not None and time.monotonic() > self._pending.deadline:
             self._cancel_register()  # a lost completion: never wait on it for good
+        if self._handoff is not None:
+            self._handoff.look()  # a sibling whose event was lost, or that failed
         kubelet = files.identity(self.settings.kubelet_socket)
         if kubelet is None or kubelet != self._kubelet_seen or not self.status.registered:
             self._kubelet_changed()
 
     def _shutdown(self) -> None:
+        with self._turned:
+            self._turned.notify_all()  # Registered calls waiting on us: we stop
+        self._end_handoff()
         self._observer.stop()
         self._cancel_register()
         self.state.close()

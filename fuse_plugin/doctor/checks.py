@@ -64,6 +64,9 @@ class Node:
     device_plugin_dir: Path = config.DEFAULT_DEVICE_PLUGIN_DIR
     fuse_device: Path = config.DEFAULT_FUSE_DEVICE
     resource_name: str = config.DEFAULT_RESOURCE_NAME
+    # The plugin's --instance: its socket's name. Empty: whichever sockets of the resource
+    # are there (the DaemonSet names each pod's by its UID).
+    instance: str = ""
     seccomp_dir: Path = DEFAULT_SECCOMP_DIR
     presets: tuple[str, ...] = PRESETS
     # Presets the user named must be installed (fail); the default set only warns.
@@ -76,8 +79,20 @@ class Node:
     @property
     def socket_path(self) -> Path:
         settings = config.Settings(device_plugin_dir=self.device_plugin_dir,
-                                   resource_name=self.resource_name)
+                                   resource_name=self.resource_name, instance=self.instance)
         return settings.socket_path
+
+    def plugin_sockets(self) -> list[Path]:
+        """The plugin sockets to check: ours by --instance, else every socket named for
+        the resource (``<resource>.sock`` and ``<resource>-<instance>.sock``)."""
+        if self.instance:
+            return [self.socket_path]
+        pattern = config.sibling_socket(self.resource_name)
+        try:
+            names = sorted(e.name for e in self.at(self.device_plugin_dir).iterdir())
+        except OSError:
+            names = []
+        return [self.device_plugin_dir / n for n in names if pattern.fullmatch(n)]
 
     @property
     def kubelet_socket(self) -> Path:
@@ -210,11 +225,38 @@ def check_kubelet_socket(node: Node) -> Check:
     return problem or Check(name, Verdict.OK, f"{shown} accepts connections")
 
 
+_PLUGIN_RESTART = ("check the fuse-device-plugin DaemonSet pod on this node: "
+                   "kubectl get pods -o wide, then its logs")
+
+
 def check_plugin_socket(node: Node, timeout: float = PLUGIN_TIMEOUT) -> Check:
-    """Our socket answers a real GetDevicePluginOptions, as the kubelet's first call does."""
-    name, shown = "plugin socket", node.socket_path
-    restart = ("check the fuse-device-plugin DaemonSet pod on this node: "
-               "kubectl get pods -o wide, then its logs")
+    """The plugin's socket answers a real GetDevicePluginOptions, as the kubelet's first
+    call does. Without --instance every socket of the resource is checked: during a
+    rollout two plugin pods serve, and one killed with SIGKILL leaves a stale one."""
+    found = node.plugin_sockets()
+    if not found:
+        shown = node.socket_path.with_name(f"{config.socket_base(node.resource_name)}"
+                                           "[-<instance>].sock")
+        return Check("plugin socket", Verdict.FAIL,
+                     f"{shown} does not exist: the plugin is not running", _PLUGIN_RESTART)
+    checks = [_check_plugin_socket(node, path, timeout) for path in found]
+    if len(checks) == 1:
+        return checks[0]
+    good = [c.detail for c in checks if c.verdict is Verdict.OK]
+    bad = [c for c in checks if c.verdict is not Verdict.OK]
+    if not bad:
+        return Check("plugin socket", Verdict.OK,
+                     f"{len(good)} plugins serve (a rollout: the kubelet uses the newest): "
+                     + "; ".join(good))
+    worst = max((c.verdict for c in bad), key=_RANK.__getitem__)
+    verdict = Verdict.WARN if good else worst
+    fix = ("a socket left by an earlier plugin pod: the plugin removes stale ones when it "
+           "starts; else remove it by hand" if good else bad[0].fix)
+    return Check("plugin socket", verdict, "; ".join([*good, *(c.detail for c in bad)]), fix)
+
+
+def _check_plugin_socket(node: Node, shown: Path, timeout: float) -> Check:
+    name, restart = "plugin socket", _PLUGIN_RESTART
     problem = _socket_problem(name, node, shown, "the plugin", restart)
     if problem is not None:
         return problem
@@ -439,7 +481,7 @@ def explain(message: str, output: str, out: TextIO) -> int:
 
 # Same flags and environment twins as `serve`, so `kubectl exec` into the plugin's pod
 # checks what the plugin itself uses.
-_SHARED_FLAGS = ("--device-plugin-dir", "--resource-name", "--fuse-device")
+_SHARED_FLAGS = ("--device-plugin-dir", "--resource-name", "--fuse-device", "--instance")
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -474,7 +516,7 @@ def run(parsed: argparse.Namespace, out: TextIO | None = None) -> int:
     presets = tuple(dict.fromkeys(parsed.preset)) if parsed.preset else PRESETS
     node = Node(root=parsed.root, device_plugin_dir=parsed.device_plugin_dir,
                 fuse_device=parsed.fuse_device, resource_name=parsed.resource_name,
-                seccomp_dir=parsed.seccomp_dir, presets=presets,
+                instance=parsed.instance, seccomp_dir=parsed.seccomp_dir, presets=presets,
                 strict_presets=bool(parsed.preset))
     checks = run_checks(node)
     out.write(render_json(node, checks) if parsed.output == "json" else render_text(checks))

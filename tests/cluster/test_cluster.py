@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -522,18 +524,94 @@ def test_kubelet_restart_brings_capacity_back(
     assert pod["status"]["containerStatuses"][0]["restartCount"] == restarts, proof
 
 
-def test_rollout_restart_completes(deployed: dict[str, Any], kubectl: Kubectl, api: Api) -> None:
-    """`kubectl rollout restart` of the plugin DaemonSet finishes: a new pod Ready and the
-    slots back."""
-    out = kubectl("-n", PLUGIN_NS, "rollout", "restart", f"daemonset/{PLUGIN_DS}").strip()
-    status = rollout(kubectl, PLUGIN_DS)
-    new = daemonset_pod(api, PLUGIN_NS, PLUGIN_SELECTOR, not_uid=deployed["metadata"]["uid"])
-    line = wait_allocatable(api, DEFAULT_SLOTS)
-    stamp = new["metadata"].get("annotations", {}).get("kubectl.kubernetes.io/restartedAt")
-    proof = evidence("rollout-restart", out, status, pod_summary(new),
-                     f"restartedAt {stamp}", line)
-    assert "successfully rolled out" in status, proof
-    assert stamp, proof
+ROLL_NS = "fdp-e2e-rollout"
+
+
+class PodEverySecond:
+    """A pod asking for `github.com/fuse: 1` created every second on a thread (through the
+    API, no kubectl process each), each ending at once."""
+
+    def __init__(self, api: Api, image: str) -> None:
+        self.api, self.image = api, image
+        self.names: list[str] = []
+        self.errors: list[str] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pods", daemon=True)
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            name = f"roll-{len(self.names)}"
+            pod = fuse_pod(name, self.image)
+            pod["metadata"]["namespace"] = ROLL_NS
+            pod["spec"]["restartPolicy"] = "Never"
+            pod["spec"]["containers"][0]["command"] = ["/bin/sh", "-c", "test -c /dev/fuse"]
+            try:
+                self.api.request("POST", f"/api/v1/namespaces/{ROLL_NS}/pods", pod)
+                self.names.append(name)
+            except OSError as err:  # urllib's HTTPError and URLError are OSErrors
+                self.errors.append(f"{name}: {err}")
+            self._done.wait(1.0)
+
+    def __enter__(self) -> PodEverySecond:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._done.set()
+        self._thread.join(30)
+
+    def phases(self) -> dict[str, dict[str, Any]]:
+        """Every pod's status once it has ended (Succeeded or Failed)."""
+        def ended() -> dict[str, dict[str, Any]] | None:
+            pods = {p["metadata"]["name"]: p["status"] for p in self.api.pods(ROLL_NS)}
+            done = {n: st for n, st in pods.items() if st.get("phase") in ("Succeeded", "Failed")}
+            return done if set(self.names) <= set(done) else None
+        found: dict[str, dict[str, Any]] = wait_for(
+            ended, 180, f"the {len(self.names)} rollout pods to end", interval=1,
+            detail=lambda: "\n".join(pod_summary(p) for p in self.api.pods(ROLL_NS)))
+        return found
+
+
+def test_rollout_restart_completes_and_rejects_no_fuse_pod(
+        deployed: dict[str, Any], kubectl: Kubectl, api: Api, images: dict[str, str]) -> None:
+    """`kubectl rollout restart` of the plugin DaemonSet finishes (a new pod Ready, the
+    slots back), and a FUSE pod created every second meanwhile is never rejected (issue
+    35): the new pod registers on its own socket before the old one is deleted (maxSurge),
+    so the kubelet never marks the slots unhealthy."""
+    kubectl(*APPLY, "-f", "-", stdin=json.dumps(
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ROLL_NS}}))
+    old = deployed["metadata"]
+    try:
+        with PodEverySecond(api, images["WORKLOAD_IMAGE"]) as stream:
+            wait_for(lambda: len(stream.names) >= 3, 30, "three pods before the rollout")
+            began = time.monotonic()
+            out = kubectl("-n", PLUGIN_NS, "rollout", "restart", f"daemonset/{PLUGIN_DS}").strip()
+            status = rollout(kubectl, PLUGIN_DS)
+            new = daemonset_pod(api, PLUGIN_NS, PLUGIN_SELECTOR, not_uid=old["uid"])
+            wait_gone(api, PLUGIN_NS, old["name"])
+            took = time.monotonic() - began
+            after = len(stream.names) + 3
+            wait_for(lambda: len(stream.names) >= after, 30, "three pods after the rollout")
+        ended = stream.phases()
+        line = wait_allocatable(api, DEFAULT_SLOTS)
+        stamp = new["metadata"].get("annotations", {}).get("kubectl.kubernetes.io/restartedAt")
+        rejected = {n: st.get("message", "") for n, st in ended.items()
+                    if st.get("phase") != "Succeeded"}
+        handoff = [ln for ln in plugin_log(kubectl, new["metadata"]["name"]).splitlines()
+                   if "registered" in ln][:1]
+        proof = evidence("rollout-restart", out, status, pod_summary(new),
+                         f"restartedAt {stamp}", line,
+                         f"rollout restart -> old pod {old['name']} gone: {took:.1f}s",
+                         *handoff, f"{len(ended)} FUSE pods created one a second: "
+                         f"{len(ended) - len(rejected)} Succeeded, rejected: {rejected}",
+                         *stream.errors)
+        assert "successfully rolled out" in status, proof
+        assert stamp, proof
+        assert not stream.errors, proof
+        assert not rejected, proof
+    finally:
+        kubectl("delete", "namespace", ROLL_NS, "--ignore-not-found", "--wait=true",
+                timeout=180)
 
 
 # ---------------------------------------------------------------- 6. Pod Security admission

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,10 @@ def test_quick_benchmark_reports_every_figure(tmp_path: Path) -> None:
         ratio = figures[key]["vs_floor"]
         assert ratio["q1"] <= ratio["median"] <= ratio["q3"], key
     # The plugin ran as the DaemonSet runs it (its metrics port moved to a free one).
-    assert result["serve_flags"] == ["--metrics-port=9402"]
+    # and with the pod UID its environment gives it as --instance.
+    *flags, instance = result["serve_flags"]
+    assert flags == ["--metrics-port=9402", "--handoff-wait=20"]
+    assert uuid.UUID(instance.removeprefix("--instance="))
     assert figures["rss_deployed"]["figure"].endswith("scrapes")
 
 

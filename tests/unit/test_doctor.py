@@ -80,10 +80,10 @@ def stale_socket(path: Path) -> None:
 
 
 @contextmanager
-def fuse_plugin(directory: Path, device: Path) -> Iterator[None]:
+def fuse_plugin(directory: Path, device: Path, instance: str = "") -> Iterator[None]:
     """The plugin exactly as ``serve`` builds it, serving in ``directory``."""
     settings = Settings(device_plugin_dir=directory, fuse_device=device, slots=4,
-                        log_level="error")
+                        log_level="error", instance=instance)
     with plugin.in_background(settings, logs.get()) as running:
         assert running.lifecycle.wait_until(running.lifecycle.owns_socket, 10), "never served"
         yield
@@ -304,6 +304,31 @@ def test_stale_plugin_socket_is_told_by_connect_not_by_a_deadline(root: Path,
     assert lines["plugin socket"]["detail"] == (
         f"/{PLUGIN_DIR}/{SOCKET} refuses connections: a stale socket, the plugin died")
     assert code == 1
+
+
+@needs_root
+def test_both_plugins_of_a_rollout_answer_and_a_stale_one_warns(root: Path,
+                                                                run_doctor: Run) -> None:
+    """The DaemonSet names each pod's socket by its UID: without --instance the doctor
+    checks every socket of the resource; with it (kubectl exec into the plugin pod sets
+    it), only that pod's."""
+    build_static_tree(root)
+    device = make_device(root)
+    plugins = root / PLUGIN_DIR
+    with listening(plugins / "kubelet.sock"), fuse_plugin(plugins, device, "old"), \
+            fuse_plugin(plugins, device, "new"):
+        code, lines, _ = run_doctor(root)
+        assert (code, lines["plugin socket"]["verdict"]) == (0, "ok"), lines["plugin socket"]
+        assert lines["plugin socket"]["detail"].startswith("2 plugins serve")
+        _, lines, _ = run_doctor(root, "--instance", "new")
+        assert lines["plugin socket"]["detail"].startswith(
+            f"/{PLUGIN_DIR}/github.com_fuse-new.sock answers GetDevicePluginOptions")
+        stale_socket(plugins / "github.com_fuse-gone.sock")
+        code, lines, _ = run_doctor(root)
+    line = lines["plugin socket"]
+    assert (code, line["verdict"]) == (0, "warn"), line
+    assert f"/{PLUGIN_DIR}/github.com_fuse-gone.sock refuses connections" in line["detail"]
+    assert "earlier plugin pod" in line["fix"]
 
 
 def test_plugin_socket_that_is_not_a_socket(root: Path) -> None:

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import uuid
 from pathlib import Path
 from types import ModuleType
 
@@ -15,9 +16,10 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from fuse_plugin import __version__, cli, profiles
+from fuse_plugin import __version__, cli, profiles, sockets
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.config import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_RESOURCE_NAME
+from fuse_plugin.args import env_name
+from fuse_plugin.config import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_RESOURCE_NAME, Settings
 from fuse_plugin.devices import Health, probe
 from tests.lib import oci
 from tests.lib.manifests import (
@@ -158,8 +160,30 @@ def test_plugin_has_requests_limits_probes_priority_and_tolerations() -> None:
     args = cli.build_parser(container["args"]).parse_args(container["args"])
     assert args.command == "serve"
     assert args.metrics_port == port
+
+
+def test_plugin_rolls_out_new_pod_first_on_a_socket_of_its_own() -> None:
+    """Issue 35: the kubelet keeps one endpoint per socket and marks the slots unhealthy
+    only when the last goes, so the new pod must register, on its own socket, before
+    the old one stops: surge, an instance per pod, and a hand-off that fits the grace."""
+    spec = pod_spec(PLUGIN)
+    (container,) = spec["containers"]
     strategy = PLUGIN["spec"]["updateStrategy"]
-    assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+    assert strategy == {"type": "RollingUpdate",
+                        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    env = {e["name"]: e for e in container["env"]}
+    assert env[env_name("--instance")]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "metadata.uid"}}
+    args = cli.build_parser(container["args"]).parse_args(container["args"])
+    assert args.handoff_wait > 0
+    # The hand-off and the gRPC server's grace both end before the kubelet's SIGKILL.
+    assert spec["terminationGracePeriodSeconds"] >= args.handoff_wait + 5
+    # A surge pod on the same node must not fight the old one for a host port.
+    assert not spec.get("hostNetwork")
+    assert all("hostPort" not in p for p in container["ports"])
+    # A pod UID is 36 characters: the socket still fits sockaddr_un.
+    settings = Settings(instance=str(uuid.UUID(int=0)))
+    assert sockets.too_long(settings.socket_path) is None
 
 
 def test_plugin_args_keep_the_defaults_the_manifest_relies_on() -> None:

@@ -89,9 +89,10 @@ def test_component_builds_onto_manifests_and_validates(tmp_path: Path, how: str)
     # The plugin, as built: its args and env make a serve in broker mode on the
     # broker's directory, and nothing else about the plugin pod changed.
     [plugin] = containers(daemonsets["fuse-device-plugin"])
-    env = {e["name"]: e["value"] for e in plugin["env"]}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in plugin["env"]}
     args = cli.build_parser(plugin["args"]).parse_args(plugin["args"])
-    assert env == {env_name("--broker-dir"): BROKER_DIR}
+    assert env == {env_name("--broker-dir"): BROKER_DIR,
+                   env_name("--instance"): {"fieldRef": {"fieldPath": "metadata.uid"}}}
     assert str(optional_path(env[env_name("--broker-dir")])) == BROKER_DIR
     assert args.command == "serve"
     plain = one(MANIFESTS / "plugin-daemonset.yaml", "DaemonSet")
