@@ -9,6 +9,7 @@ a plugin that half-starts and never registers.
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -74,13 +75,13 @@ def sibling_socket(resource: str) -> re.Pattern[str]:
     """The socket names a plugin for ``resource`` may have, with or without an instance.
     Another resource's name can match too (``github.com/fuse-x`` looks like an instance
     ``x`` of ``github.com/fuse``): whoever finds one asks it which resource it serves."""
-    return re.compile(rf"{re.escape(socket_base(resource))}(-{_NAME.pattern})?\.sock")
+    return re.compile(rf"{re.escape(socket_base(resource))}(-{names.QUALIFIED})?\.sock")
 
 
 def instance(text: str) -> str:
     """An instance name for the socket: empty (none), or what a pod's UID or name is,
     1-63 characters of [A-Za-z0-9-_.]. A slash or a space would make no socket name."""
-    if text and (len(text) > 63 or not _NAME.fullmatch(text)):
+    if text and not names.qualified_name(text):
         raise argparse.ArgumentTypeError(
             f"must be empty or 1-63 characters of [A-Za-z0-9-_.], starting and ending "
             f"alphanumeric (a pod UID or name), got {args.shown(text)}")

@@ -14,7 +14,9 @@ _LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 # Used with fullmatch: `$` would also match before a trailing newline.
 _DNS_LABEL = re.compile(_LABEL)
 _DNS_SUBDOMAIN = re.compile(rf"{_LABEL}(\.{_LABEL})*")
-_QUALIFIED = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+# The part after a qualified name's slash; also what a socket's instance suffix may be.
+QUALIFIED = r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
+_QUALIFIED = re.compile(QUALIFIED)
 
 
 def dns_label(text: str) -> bool:
