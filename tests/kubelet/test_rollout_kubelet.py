@@ -79,10 +79,13 @@ def kubelet_line(since: int, pattern: str, what: str, timeout: float = 45) -> st
 
 
 def plugin_events(name: str, event: str) -> list[dict[str, Any]]:
-    """The JSON events ``event`` in a recorded plugin's log (node.spawn adds a text
-    header line per start)."""
+    """The JSON events ``event`` of the plugin's latest start: node.spawn appends to the
+    log and adds a header line (``==== ... start``) per start, and an earlier run on the
+    same machine left its own."""
+    text = nodemod.read_log(nodemod.LOGDIR / f"{name}.log")
+    latest = text.rsplit("\n==== ", 1)[-1]
     found = []
-    for line in nodemod.read_log(nodemod.LOGDIR / f"{name}.log").splitlines():
+    for line in latest.splitlines():
         if line.startswith("{"):
             record = json.loads(line)
             if record.get("event") == event:
