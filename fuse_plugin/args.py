@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import fields
 from pathlib import Path
+from typing import Any, TypeVar
 
 from fuse_plugin import logs
 
@@ -21,6 +23,9 @@ ENV_PREFIX = "FUSE_DEVICE_PLUGIN_"
 PATH_MAX = 4095
 
 Parse = Callable[[str], object]
+# flag, type, help: a command's table of flags, each named after its settings field.
+Flag = tuple[str, Parse, str]
+S = TypeVar("S")
 
 
 def whole_number(text: str, low: int, high: int) -> int | None:
@@ -156,3 +161,30 @@ def add_log_flags(parser: argparse.ArgumentParser) -> None:
     """--log-format and --log-level, the same for every long-running command."""
     add(parser, "--log-format", choice(logs.FORMATS), "text", "log line format: text or json")
     add(parser, "--log-level", choice(logs.LEVELS), "info", "debug, info, warning or error")
+
+
+def field_name(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def default(settings: type[Any], flag: str) -> object:
+    """A flag's default: the default of the settings field it is named after, so that the
+    dataclass is the one place a default is written."""
+    return next(f.default for f in fields(settings) if f.name == field_name(flag))
+
+
+def add_table(parser: argparse.ArgumentParser, table: Sequence[Flag], settings: type[Any],
+              only: Collection[str] | None = None) -> None:
+    """Add a command's flags (or ``only`` those), each with its environment twin and its
+    default from ``settings``; the log flags come with the whole table."""
+    for flag, kind, help_text in table:
+        if only is None or flag in only:
+            add(parser, flag, kind, default(settings, flag), help_text)
+    if only is None:
+        add_log_flags(parser)
+
+
+def settings_of(settings: type[S], parsed: argparse.Namespace) -> S:
+    """The settings dataclass from parsed flags: each field is named after its flag."""
+    values = {f.name: getattr(parsed, f.name) for f in fields(settings)}  # type: ignore[arg-type]
+    return settings(**values)

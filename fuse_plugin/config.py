@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, fields
+from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 from fuse_plugin import args, names, sockets
@@ -135,7 +135,7 @@ def plugin_dir(text: str) -> Path:
 
 # flag, type, help: the one table the CLI and the env twins are built from; each flag
 # is named after its Settings field, which holds the default.
-SERVE_FLAGS: tuple[tuple[str, Callable[[str], object], str], ...] = (
+SERVE_FLAGS: tuple[args.Flag, ...] = (
     ("--device-plugin-dir", plugin_dir,
      "the kubelet's device-plugin directory (holds kubelet.sock)"),
     ("--resource-name", resource_name, "extended resource to advertise"),
@@ -161,26 +161,16 @@ SERVE_FLAGS: tuple[tuple[str, Callable[[str], object], str], ...] = (
 )
 
 
-def default(flag: str) -> object:
-    """The default of a serve flag: its Settings field's."""
-    name = flag.lstrip("-").replace("-", "_")
-    return next(f.default for f in fields(Settings) if f.name == name)
-
-
 def add_serve_flags(parser: argparse.ArgumentParser,
                     only: Collection[str] | None = None) -> None:
     """Add the serve flags (or ``only`` those), each with its environment twin."""
-    for flag, kind, help_text in SERVE_FLAGS:
-        if only is None or flag in only:
-            args.add(parser, flag, kind, default(flag), help_text)
-    if only is None:
-        args.add_log_flags(parser)
+    args.add_table(parser, SERVE_FLAGS, Settings, only)
 
 
 def from_args(parsed: argparse.Namespace) -> Settings:
     """Settings from parsed serve flags (each field is named after its flag), with the
     checks that need two of them; raises ``Failure`` (exit 2)."""
-    settings = Settings(**{f.name: getattr(parsed, f.name) for f in fields(Settings)})
+    settings = args.settings_of(Settings, parsed)
     too_long = sockets.too_long(settings.socket_path)
     if too_long:
         raise Failure(f"the plugin's socket {too_long}: use a shorter --device-plugin-dir, "

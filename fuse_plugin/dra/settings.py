@@ -12,7 +12,7 @@ itself is a resource name, not a valid driver name (it holds a slash).
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from fuse_plugin import args, names, sockets
@@ -95,7 +95,7 @@ def instance(text: str) -> str:
     return text
 
 
-FLAGS: tuple[tuple[str, args.Parse, str], ...] = (
+FLAGS: tuple[args.Flag, ...] = (
     ("--node-name", node_name,
      "this node's name (required; the DaemonSet passes spec.nodeName through the env twin)"),
     ("--driver-name", driver_name, "the DRA driver name (ResourceSlice spec.driver)"),
@@ -124,21 +124,14 @@ FLAGS: tuple[tuple[str, args.Parse, str], ...] = (
 )
 
 
-def _default(flag: str) -> object:
-    name = flag.lstrip("-").replace("-", "_")
-    return next(f.default for f in fields(DraSettings) if f.name == name)
-
-
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    for flag, kind, help_text in FLAGS:
-        args.add(parser, flag, kind, _default(flag), help_text)
-    args.add_log_flags(parser)
+    args.add_table(parser, FLAGS, DraSettings)
 
 
 def from_args(parsed: argparse.Namespace) -> DraSettings:
     """Settings from parsed flags, with the checks that need more than one; raises
     ``Failure`` (exit 2)."""
-    settings = DraSettings(**{f.name: getattr(parsed, f.name) for f in fields(DraSettings)})
+    settings = args.settings_of(DraSettings, parsed)
     if not settings.node_name:
         raise Failure("--node-name is required (or FUSE_DEVICE_PLUGIN_NODE_NAME; the "
                       "DaemonSet sets it from spec.nodeName)", EXIT_USAGE)

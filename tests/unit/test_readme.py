@@ -24,7 +24,7 @@ def test_readme_opens_with_the_two_setup_commands_ci_runs() -> None:
 
 def test_every_serve_flag_and_its_environment_twin_is_documented() -> None:
     for flag, _, _ in config.SERVE_FLAGS:
-        row = f"| `{flag}` | `{args.env_name(flag)}` | `{config.default(flag)}` |"
+        row = f"| `{flag}` | `{args.env_name(flag)}` | `{args.default(config.Settings, flag)}` |"
         assert row in README, f"README's flag table lacks {row}"
 
 
