@@ -83,6 +83,8 @@ class Charge:
         ``policy.Refused`` if one cannot be, with nothing left open. Checked alive by the
         caller of this (``Caller.alive``) after: a pid is not reused while its pidfd
         lives, so these are the caller's."""
+        if not self.hierarchies:  # no accounting controller on the node: nothing to join
+            return []
         try:
             with open(f"/proc/{pid}/cgroup") as text:
                 lines = parse_proc_cgroup(text.read())
@@ -90,6 +92,10 @@ class Charge:
             if policy.out_of_resources(err):
                 raise policy.OutOfResources(f"reading /proc/{pid}/cgroup", err) from None
             raise policy.Refused(f"the calling process {pid} has exited", "caller") from None
+        return self.open_lines(lines)
+
+    def open_lines(self, lines: Sequence[tuple[str, str]]) -> list[tuple[str, int]]:
+        """``open`` from /proc/PID/cgroup's (controllers, path) pairs."""
         opened: list[tuple[str, int]] = []
         try:
             for hierarchy in self.hierarchies:

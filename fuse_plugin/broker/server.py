@@ -527,7 +527,7 @@ class Broker:
         they cannot be opened or the caller has gone meanwhile."""
         charge = self.charge.open(work.caller.pid)
         try:
-            if not work.caller.alive():  # the cgroups read were its pid's, not a reuser's
+            if charge and not work.caller.alive():  # the cgroups were its pid's, not a reuser's
                 raise policy.Refused(f"the calling process {work.caller.pid} has exited",
                                      "caller")
             return Job.start(self.helper, work.caller, work.request,
