@@ -184,9 +184,9 @@ def millicores_to_shares(millicores: int) -> int:
 
 @contextlib.contextmanager
 def cpu_request(pid: int, millicores: int, name: str) -> Iterator[Path]:
-    """Run ``pid`` (and the helpers it starts afterwards) in a CPU cgroup of its own, with
-    the weight the kubelet gives a pod that requests ``millicores`` (cgroup v1
-    cpu.shares, or v2 cpu.weight). Moved back and removed at the end."""
+    """Run ``pid`` in a CPU cgroup of its own, with the weight the kubelet gives a pod
+    that requests ``millicores`` (cgroup v1 cpu.shares, or v2 cpu.weight); its helpers
+    run in their callers' cgroups. Moved back and removed at the end."""
     shares = millicores_to_shares(millicores)
     if (CGROUP / "cpu" / "cpu.shares").exists():
         parent, knob, value = CGROUP / "cpu", "cpu.shares", shares
