@@ -153,18 +153,16 @@ def find(mounts: str, proc_cgroups: str, unified_controllers: str | None) -> Cha
     and (cgroup v2) the unified root's cgroup.controllers; ``Unwritable`` naming the
     controllers on the node whose whole hierarchy the broker cannot write."""
     entries = mountinfo.parse(mounts)
-    v1_ids, v2 = {}, set()
+    v1: set[str] = set()  # enabled charged controllers on a v1 hierarchy (id > 0)
+    v2: set[str] = set()  # and on none: cgroup v2's, if its root lists them
     for line in proc_cgroups.splitlines():
         fields = line.split()
         if len(fields) == 4 and fields[0] in CHARGED and fields[3] == "1":
-            if fields[1] == "0":
-                v2.add(fields[0])
-            else:
-                v1_ids[fields[0]] = fields[1]
+            (v2 if fields[1] == "0" else v1).add(fields[0])
     v2 &= set((unified_controllers or "").split())
     hierarchies: dict[str, Hierarchy] = {}
     missing = []
-    for controller in sorted(v1_ids, key=CHARGED.index):
+    for controller in sorted(v1, key=CHARGED.index):
         found = _whole(e for e in entries if e.fstype == "cgroup"
                        and controller in e.super_options.split(","))
         if found is None:

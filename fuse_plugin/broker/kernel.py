@@ -1,9 +1,9 @@
 """The Linux calls the broker's own process needs that Python's ``os`` lacks.
 
-(Everything done in a caller's namespaces is ``native/helper.c``.) ``mount`` and ``setns``
-(``os.setns`` is Python 3.12+) go through glibc's wrappers: their syscall numbers differ
-between architectures. A failure is an
-``OSError`` with the errno, as in ``os``.
+(Everything done in a caller's namespaces is ``native/helper.c``.) ``mount``, and
+``setns`` (``os.setns`` is Python 3.12+), go through glibc's wrappers: their syscall
+numbers differ between architectures. A failure is an ``OSError`` with the errno, as in
+``os``.
 """
 
 from __future__ import annotations
