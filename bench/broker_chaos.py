@@ -269,6 +269,13 @@ class Scene:
         self.cgroups = {name: cgroup_of(c.pid) for name, c in self.containers.items()}
         self.silent_procs = stack.enter_context(full_node.pods(silent_pods,
                                                                CONTAINERS_PER_POD))
+        # Their CPU weight: that of their requests together (17m each on a full node), in
+        # a CPU cgroup of their own (cgroup v1: on v2 a cgroup is all controllers at once,
+        # and they stay in their pods' cgroups at the default weight).
+        v1 = (bench.CGROUP / "cpu" / "cpu.shares").exists()
+        self.silent_cpu = stack.enter_context(bench.cpu_request(
+            os.getpid(), tenant_request * silent_pods, f"fuse-chaos-silent-{os.getpid()}",
+            move=False)) if tenant_request and silent_pods and v1 else None
         self.outputs = work / "outputs"
         self.outputs.mkdir()
 
@@ -289,6 +296,20 @@ class Scene:
         """Lines and bytes the broker logged after its ``mark``-th line."""
         lines = self.broker.log().splitlines()[mark:]
         return len(lines), sum(len(line.encode()) + 1 for line in lines)
+
+
+def weigh(procs: Sequence[Path], group: Path) -> None:
+    """The silent pods' processes (each in its container's cgroup as soon as it is
+    forked) into their CPU cgroup."""
+    pids: list[str] = []
+
+    def joined() -> bool:
+        pids[:] = [pid for path in procs for pid in path.read_text().split()]
+        return len(pids) >= len(procs)
+
+    waiting.wait_for(joined, 60, "the silent pods' processes to start")
+    for pid in pids:
+        (group / "cgroup.procs").write_text(pid)
 
 
 def pod_cpu_shares(pod: str, shares: int) -> None:
@@ -337,6 +358,8 @@ def attack(scene: Scene, sizes: Sizes, seconds: float, tag: str,
     node = ExitStack()  # the node's other pods, at their share (forked before any thread)
     node.enter_context(full_node.tenants(scene.silent_procs, str(scene.broker.socket),
                                          shares.PER_CONTAINER, None))
+    if scene.silent_cpu is not None:
+        weigh(scene.silent_procs, scene.silent_cpu)
     watch = Watch(scene.broker.pid, scene.port).start()
     running = {name: scene.spawn(name, tool_args(name, seconds, sizes), tag)
                for name in HOSTILE}
