@@ -183,10 +183,11 @@ def millicores_to_shares(millicores: int) -> int:
 
 
 @contextlib.contextmanager
-def cpu_request(pid: int, millicores: int, name: str) -> Iterator[Path]:
-    """Run ``pid`` (and the helpers it starts afterwards) in a CPU cgroup of its own, with
-    the weight the kubelet gives a pod that requests ``millicores`` (cgroup v1
-    cpu.shares, or v2 cpu.weight). Moved back and removed at the end."""
+def cpu_request(pid: int, millicores: int, name: str, move: bool = True) -> Iterator[Path]:
+    """Run ``pid`` in a CPU cgroup of its own, with the weight the kubelet gives a pod
+    that requests ``millicores`` (cgroup v1 cpu.shares, or v2 cpu.weight); its helpers
+    run in their callers' cgroups. Moved back and removed at the end. ``move`` False:
+    the cgroup only, for the caller to move processes into."""
     shares = millicores_to_shares(millicores)
     if (CGROUP / "cpu" / "cpu.shares").exists():
         parent, knob, value = CGROUP / "cpu", "cpu.shares", shares
@@ -196,7 +197,8 @@ def cpu_request(pid: int, millicores: int, name: str) -> Iterator[Path]:
     group.mkdir()
     try:
         (group / knob).write_text(str(value))
-        (group / "cgroup.procs").write_text(str(pid))
+        if move:  # else the caller moves processes in itself
+            (group / "cgroup.procs").write_text(str(pid))
         yield group
     finally:
         for task in (group / "cgroup.procs").read_text().split():

@@ -28,13 +28,22 @@ context, mount squashfuse through the shim, read a file and unmount, in a loop
 (``bench/broker_probe.py cycle``). A round lasts 30 s; there are two, then a third in
 which the broker gets SIGTERM.
 
-CPU weights are those of a full node. The broker runs with the weight the kubelet gives
-its DaemonSet's CPU request, and every tenant container with the weight of an equal part
-of what that request leaves of the node's CPUs (2 CPUs: 190m each for the ten): the
-scheduler places pods so that their CPU requests fit the node, and that fit is what makes
-a request a share the broker gets under contention. ``--tenant-cpu-request 1000`` weights
-each tenant as a whole CPU instead, a node overcommitted tenfold that no scheduler would
-fill (the broker then gets a quarter to a half of its request).
+Every tenant is a pod: its container's cgroup nested in a pod cgroup of its own, as the
+kubelet nests them (the broker's shares count pods). The node is full to its maxPods
+(the DaemonSet's ``--max-pods``, 110): besides the broker and these ten, the other 99
+pods (processes of this benchmark in pod cgroups of four container cgroups each, as in
+``bench.broker_full_node``) hold their whole share of silent connections during each
+round, 16 a pod, each replaced as soon as the broker answers it at its deadline.
+
+CPU weights are those of that full node. The broker runs with the weight the kubelet gives
+its DaemonSet's CPU request, and every other pod with the weight of an equal part of what
+that request leaves of the node's CPUs (2 CPUs, 110 pods: 17m each), set on its pod
+cgroup and its container's: the scheduler places pods so that their CPU requests fit the
+node, and that fit is what makes a request a share the broker gets under contention.
+Each helper runs in its caller's cgroups (``fuse_plugin/broker/cgroups.py``), so a
+tenant's helpers run at its pod's weight. ``--tenant-cpu-request 1000`` weights each
+tenant as a whole CPU instead, a node overcommitted tenfold that no scheduler would fill
+(the broker then gets a fraction of its request).
 
 Figures and targets (issue 20's): the well-behaved mount latency (p50, p99 < 100 ms) and
 failures (none); every request answered (good and hostile: no connection closed or left
@@ -66,6 +75,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -73,7 +83,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import broker as bench
-from fuse_plugin.broker import protocol
+from bench import broker_full_node as full_node
+from fuse_plugin.broker import protocol, shares
 from fuse_plugin.broker.server import HELPER_DEADLINE, REQUEST_DEADLINE, TURN
 from fuse_plugin.broker.settings import BrokerSettings
 from tests.lib import broker as broker_rig
@@ -95,6 +106,8 @@ HOSTILE = ("stall", "chroot", "silent", "descriptors", "pin", "flood", "foreign"
 SILENT = ("silent", "descriptors")
 # Helpers alive at most on the node at the default --max-pods, the DaemonSet's.
 NODE_HELPERS = BrokerSettings().caps.helpers
+NODE_PODS = full_node.max_pods(bench.deployed_flags())  # the DaemonSet's --max-pods
+CONTAINERS_PER_POD = 4  # the silent pods': each holds its container share
 
 
 @dataclass(frozen=True)
@@ -108,11 +121,14 @@ class Sizes:
     flood_threads: int = 8
     foreign_threads: int = 2
     bigflood_threads: int = 2
+    # The node's other pods, at their share of silent connections: the broker's own pod
+    # and the ten tenants' make it full to its maxPods.
+    silent_pods: int = NODE_PODS - 1 - len(GOOD) - len(HOSTILE)
 
 
 FULL = Sizes()
 QUICK = Sizes(seconds=6.0, rounds=1, stop_seconds=6.0, silent=50, descriptors=8, pin=36,
-              flood_threads=4, foreign_threads=1, bigflood_threads=1)
+              flood_threads=4, foreign_threads=1, bigflood_threads=1, silent_pods=8)
 
 
 def blockers() -> list[str]:
@@ -221,7 +237,7 @@ class Scene:
     ones, all from the real plugin's broker-mode Allocate answer."""
 
     def __init__(self, stack: ExitStack, work: Path, cpu_request: int = 0,
-                 tenant_request: int = 0) -> None:
+                 tenant_request: int = 0, silent_pods: int = 0) -> None:
         self.work = work
         image = bench.make_image(work / "image", 1)
         broker_dir = work / "broker-dir"
@@ -244,9 +260,22 @@ class Scene:
         if tenant_request:
             for request in requests.values():
                 request.cpu_shares = bench.millicores_to_shares(tenant_request)
-        self.containers = {name: runc.create(oci.build_spec(request), name).start()
-                           for name, request in requests.items()}
+        self.containers = {}
+        for name, request in requests.items():
+            pod = f"fuse-chaos-pod{uuid.uuid4().hex[:12]}"
+            self.containers[name] = runc.create(oci.build_spec(request), name, pod=pod).start()
+            if tenant_request:  # the pod's weight, as the kubelet sets it: its request
+                pod_cpu_shares(pod, bench.millicores_to_shares(tenant_request))
         self.cgroups = {name: cgroup_of(c.pid) for name, c in self.containers.items()}
+        self.silent_procs = stack.enter_context(full_node.pods(silent_pods,
+                                                               CONTAINERS_PER_POD))
+        # Their CPU weight: that of their requests together (17m each on a full node), in
+        # a CPU cgroup of their own (cgroup v1: on v2 a cgroup is all controllers at once,
+        # and they stay in their pods' cgroups at the default weight).
+        v1 = (bench.CGROUP / "cpu" / "cpu.shares").exists()
+        self.silent_cpu = stack.enter_context(bench.cpu_request(
+            os.getpid(), tenant_request * silent_pods, f"fuse-chaos-silent-{os.getpid()}",
+            move=False)) if tenant_request and silent_pods and v1 else None
         self.outputs = work / "outputs"
         self.outputs.mkdir()
 
@@ -267,6 +296,29 @@ class Scene:
         """Lines and bytes the broker logged after its ``mark``-th line."""
         lines = self.broker.log().splitlines()[mark:]
         return len(lines), sum(len(line.encode()) + 1 for line in lines)
+
+
+def weigh(procs: Sequence[Path], group: Path) -> None:
+    """The silent pods' processes (each in its container's cgroup as soon as it is
+    forked) into their CPU cgroup."""
+    pids: list[str] = []
+
+    def joined() -> bool:
+        pids[:] = [pid for path in procs for pid in path.read_text().split()]
+        return len(pids) >= len(procs)
+
+    waiting.wait_for(joined, 60, "the silent pods' processes to start")
+    for pid in pids:
+        (group / "cgroup.procs").write_text(pid)
+
+
+def pod_cpu_shares(pod: str, shares: int) -> None:
+    """The pod cgroup's CPU weight (cgroup v1 cpu.shares, or v2 cpu.weight)."""
+    v1 = bench.CGROUP / "cpu" / pod / "cpu.shares"
+    if v1.exists():
+        v1.write_text(str(shares))
+    else:
+        (bench.CGROUP / pod / "cpu.weight").write_text(str(1 + (shares - 2) * 9999 // 262142))
 
 
 def cgroup_of(pid: int) -> str:
@@ -303,6 +355,11 @@ def attack(scene: Scene, sizes: Sizes, seconds: float, tag: str,
     mark = len(scene.broker.events())
     log_mark = len(scene.broker.log().splitlines())
     started = time.monotonic()
+    node = ExitStack()  # the node's other pods, at their share (forked before any thread)
+    node.enter_context(full_node.tenants(scene.silent_procs, str(scene.broker.socket),
+                                         shares.PER_CONTAINER, None))
+    if scene.silent_cpu is not None:
+        weigh(scene.silent_procs, scene.silent_cpu)
     watch = Watch(scene.broker.pid, scene.port).start()
     running = {name: scene.spawn(name, tool_args(name, seconds, sizes), tag)
                for name in HOSTILE}
@@ -322,6 +379,7 @@ def attack(scene: Scene, sizes: Sizes, seconds: float, tag: str,
             raise AssertionError(f"{tag}: {name} exited {proc.returncode}: {text}{err}")
         tools[name] = json.loads(text.strip().splitlines()[-1])
     watch.stop()
+    node.close()
     lines, size = scene.log_since(log_mark)
     elapsed = time.monotonic() - started
     return Round(helpers_max=max(watch.helpers, default=0),
@@ -418,10 +476,10 @@ class Report:
     cgroups: dict[str, str]
 
 
-def full_node_share(cpu_request: int) -> int:
-    """Each tenant container's CPU request (millicores) when the tenants fill what the
-    broker's request leaves of this machine's CPUs."""
-    return max(1, ((os.cpu_count() or 1) * 1000 - cpu_request) // (len(GOOD) + len(HOSTILE)))
+def full_node_share(cpu_request: int, pods: int = NODE_PODS) -> int:
+    """Each other pod's CPU request (millicores) when ``pods`` pods, the broker's among
+    them, fill what the broker's request leaves of this machine's CPUs."""
+    return max(1, ((os.cpu_count() or 1) * 1000 - cpu_request) // (pods - 1))
 
 
 def run(sizes: Sizes, cpu_request: int = 0, tenant_request: int = 0) -> Report:
@@ -432,7 +490,7 @@ def run(sizes: Sizes, cpu_request: int = 0, tenant_request: int = 0) -> Report:
     with ExitStack() as stack:
         work = Path(tempfile.mkdtemp(prefix="fuse-bench-chaos-"))
         stack.callback(shutil.rmtree, work, True)
-        scene = Scene(stack, work, cpu_request, tenant_request)
+        scene = Scene(stack, work, cpu_request, tenant_request, sizes.silent_pods)
         rounds = []
         for k in range(sizes.rounds):
             result = attack(scene, sizes, sizes.seconds, f"round{k + 1}")
@@ -599,8 +657,11 @@ def main(argv: list[str] | None = None) -> int:
     table = figures(report)
     weight = (f"the broker weighted as a {args.broker_cpu_request}m CPU request"
               if args.broker_cpu_request else "the broker in the benchmark's CPU cgroup")
-    weight += (f", each of the {len(GOOD) + len(HOSTILE)} tenants as {tenants}m" if tenants
+    weight += (f", each of the {len(GOOD) + len(HOSTILE)} tenant pods as {tenants}m" if tenants
                else ", each tenant with the runtime's default weight (a 1-CPU request)")
+    weight += (f"; {sizes.silent_pods} more pods of {CONTAINERS_PER_POD} containers hold "
+               f"their share of silent connections ({NODE_PODS} pods on the node with the "
+               "broker's)")
     print(f"1-minute load before the run {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f} "
           f"({os.cpu_count()} CPUs); {sizes.rounds} rounds of {sizes.seconds:g} s, then "
           f"SIGTERM in a third; {weight}\n")

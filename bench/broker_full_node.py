@@ -71,7 +71,7 @@ from typing import Any
 
 from bench.broker import DAEMONSET, deployed_flags, fd_count, rss_kib
 from fuse_plugin.broker import caller as callers
-from fuse_plugin.broker import frames, protocol, records, reports, shares
+from fuse_plugin.broker import cgroups, frames, protocol, records, reports, shares
 from fuse_plugin.broker.conversation import Conversation
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
 from fuse_plugin.broker.helper import Job
@@ -352,11 +352,14 @@ def say(**fields: object) -> None:
     print(json.dumps({**fields, "anon_kib": anon_kib(os.getpid())}), flush=True)
 
 
-def drive_helpers(directory: Path, count: int, groups: int) -> None:
+def drive_helpers(directory: Path, count: int, groups: int, callers_group: str = "") -> None:
     """The worker ``drive-helpers``, started in a memory cgroup of its own (so that
     nothing it shares with the benchmark is charged there), with ``groups``
     supplementary groups: ``count`` real helpers serving its own mount requests, held at
-    each step until a line arrives on stdin; it says when all are there."""
+    each step until a line arrives on stdin; it says when all are there. With
+    ``callers_group``, a memory cgroup, each helper moves itself there first, as the
+    broker has it join its caller's (``cgroups``): the worker's own cgroup stands for
+    the broker's pod, that one for the caller's."""
     os.setgroups(list(range(100_000, 100_000 + groups)))
     caller = callers.Caller(pid=os.getpid(), uid=0, gid=0, pidfd=os.pidfd_open(os.getpid()),
                             container="/fuse-bench")
@@ -372,7 +375,13 @@ def drive_helpers(directory: Path, count: int, groups: int) -> None:
         fuse = os.open("/dev/fuse", os.O_RDWR)
         work = Conversation(unused, caller, time.monotonic() + 3600)
         work.parsed = protocol.Request(op="mount", path=str(point), fuse_fd=fuse)
-        work.job = Job.start(helper, caller, work.request, time.monotonic() + 3600)
+        charge = [("memory", os.open(f"{callers_group}/cgroup.procs", os.O_WRONLY))] \
+            if callers_group else []
+        try:
+            work.job = Job.start(helper, caller, work.request, time.monotonic() + 3600,
+                                 charge)
+        finally:
+            cgroups.close(charge)
         works.append(work)
     for step in ("mark", "facts", "built"):
         pending = reach(works, directory)
@@ -450,11 +459,14 @@ def go_on(proc: subprocess.Popen[str]) -> None:
     proc.stdin.flush()
 
 
-def parked_helpers(work: Path, sizes: Sizes, groups: int) -> dict[str, Any]:
+def parked_helpers(work: Path, sizes: Sizes, groups: int, to_caller: bool) -> dict[str, Any]:
     """Load 3: what real helpers cost their memory cgroup at each step they wait at,
     for a caller with ``groups`` supplementary groups. The worker's own objects (its
-    anonymous memory's growth) are taken off: the broker has its own."""
-    directory = work / f"mnt-{groups}"
+    anonymous memory's growth) are taken off: the broker has its own. ``to_caller``:
+    each helper moves itself into the caller's memory cgroup first, as the broker has
+    it do (``cgroups``): what stays with the broker's stand-in, and what the caller's
+    cgroup is charged."""
+    directory = work / f"mnt-{groups}-{'caller' if to_caller else 'broker'}"
     directory.mkdir()
     # A private tmpfs: a data filesystem the rules mount on, whatever the node's / is.
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "fuse-bench", str(directory)],
@@ -462,11 +474,11 @@ def parked_helpers(work: Path, sizes: Sizes, groups: int) -> dict[str, Any]:
     subprocess.run(["mount", "--make-private", str(directory)], check=True)
     steps: dict[str, Any] = {}
     try:
-        with memory_group("helpers") as group, \
+        with memory_group("helpers") as group, memory_group("callers") as callers_group, \
                 worker(group, "drive-helpers", str(directory), str(sizes.helpers),
-                       str(groups)) as proc:
+                       str(groups), *([str(callers_group)] if to_caller else [])) as proc:
             ready = heard(proc)
-            base = charged(group)
+            base, callers_base = charged(group), charged(callers_group)
             go_on(proc)
             for _ in range(3):
                 said = heard(proc)
@@ -476,13 +488,15 @@ def parked_helpers(work: Path, sizes: Sizes, groups: int) -> dict[str, Any]:
                 steps[said["step"]] = {
                     "helpers": len(pids), "missing": said["missing"],
                     "charged_mib": round(grown / MIB, 2),
+                    "caller_mib": round((charged(callers_group) - callers_base) / MIB, 2),
                     "helpers_rss_kib": sum(rss_kib(p) for p in pids),
                     "worker_anon_growth_kib": said["anon_kib"] - ready["anon_kib"]}
                 go_on(proc)
             proc.wait(STEP_DEADLINE * 2)
     finally:
         subprocess.run(["umount", "-l", str(directory)], check=False)
-    return {"helpers": sizes.helpers, "groups": groups, "steps": steps}
+    return {"helpers": sizes.helpers, "groups": groups, "to_caller": to_caller,
+            "steps": steps}
 
 
 # -- records --------------------------------------------------------------------------------
@@ -540,7 +554,8 @@ def run(sizes: Sizes) -> Report:
     with tempfile.TemporaryDirectory(prefix="fuse-bench-full-node-") as temp:
         work = Path(temp)
         peaks, broker = broker_loads(work, sizes)
-        helpers = [parked_helpers(work, sizes, groups) for groups in (0, frames.MAX_GROUPS)]
+        helpers = [parked_helpers(work, sizes, groups, to_caller)
+                   for to_caller in (False, True) for groups in (0, frames.MAX_GROUPS)]
         caps = broker["caps"]
         kept = record_costs(work, caps["mounts"])
     machine = {"kernel": platform.release(), "cpus": os.cpu_count(),
@@ -564,9 +579,12 @@ def print_report(report: Report) -> bool:
     for parked in report.helpers:
         count = parked["helpers"]
         for step, figures in parked["steps"].items():
-            print(f"{count} real helpers, caller of {parked['groups']} groups, parked at "
-                  f"{step!r}: {figures['charged_mib']} MiB charged "
-                  f"({figures['charged_mib'] * 1024 / count:.0f} KiB each; their RSS "
+            where = "charged to their caller" if parked["to_caller"] else "in the broker's"
+            print(f"{count} real helpers ({where}), caller of {parked['groups']} groups, "
+                  f"parked at {step!r}: {figures['charged_mib']} MiB charged to the broker "
+                  f"({figures['charged_mib'] * 1024 / count:.0f} KiB each), "
+                  f"{figures['caller_mib']} MiB to the caller "
+                  f"({figures['caller_mib'] * 1024 / count:.0f} KiB each; their RSS "
                   f"{figures['helpers_rss_kib'] / count:.0f} KiB each; the worker's own "
                   f"{figures['worker_anon_growth_kib']} KiB taken off); "
                   f"{figures['missing']} not there")
@@ -584,7 +602,7 @@ def print_report(report: Report) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["drive-helpers"]:  # the workers (``worker``)
-        drive_helpers(Path(argv[1]), int(argv[2]), int(argv[3]))
+        drive_helpers(Path(argv[1]), int(argv[2]), int(argv[3]), *argv[4:5])
         return 0
     if argv[:1] == ["write-records"]:
         write_records(Path(argv[1]), int(argv[2]))

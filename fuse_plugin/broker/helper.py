@@ -21,10 +21,11 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fuse_plugin.broker import frames, protocol
+from fuse_plugin.broker import cgroups, frames, protocol
 from fuse_plugin.broker.caller import Caller
 
 NAME = "fuse-broker-helper"
@@ -43,10 +44,12 @@ class Job:
 
     @classmethod
     def start(cls, program: Path, caller: Caller, request: protocol.Request,
-              deadline: float) -> Job:
+              deadline: float, charge: Sequence[tuple[str, int]] = ()) -> Job:
         """Spawn the helper for ``request`` and send it. ``frames.FrameError`` if the
         request cannot be said whole (refused, never cut); ``OSError`` if it cannot run,
-        with nothing left behind (no process, no descriptor)."""
+        with nothing left behind (no process, no descriptor). ``charge``: the caller's
+        cgroup.procs files (``cgroups.Charge.open``), which the helper moves itself into
+        first; the caller of this closes them."""
         fields: dict[str, str | int | tuple[int, ...]] = {
             "op": request.op, "path": request.path, "uid": caller.uid, "gid": caller.gid,
             "groups": caller.groups}
@@ -59,7 +62,9 @@ class Job:
             fds = [theirs.fileno(), caller.pidfd, caller.mnt_ns]
             if caller.user_ns != -1:
                 fds.append(caller.user_ns)
-            proc = subprocess.Popen([str(program), *map(str, fds)], pass_fds=fds, env={},
+            proc = subprocess.Popen([str(program), *map(str, fds)],
+                                    pass_fds=[*fds, *(fd for _, fd in charge)],
+                                    env=cgroups.environment(charge) if charge else {},
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL)
             theirs.close()

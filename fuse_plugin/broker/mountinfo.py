@@ -22,6 +22,8 @@ class Entry:
     root: str  # the directory of that filesystem mounted here
     mountpoint: str
     fstype: str
+    options: str = ""  # the mount's own (rw or ro, ...)
+    super_options: str = ""  # the filesystem's (a cgroup v1 hierarchy's controllers)
 
 
 def parse(text: str) -> list[Entry]:
@@ -33,9 +35,11 @@ def parse(text: str) -> list[Entry]:
         fields = left.split(" ")
         if not sep or len(fields) < 6:
             continue
+        tail = right.split(" ")
         entries.append(Entry(mount_id=int(fields[0]), dev=fields[2],
                              root=unescape(fields[3]), mountpoint=unescape(fields[4]),
-                             fstype=right.split(" ", 1)[0]))
+                             fstype=tail[0], options=fields[5],
+                             super_options=tail[2] if len(tail) > 2 else ""))
     return entries
 
 

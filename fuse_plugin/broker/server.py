@@ -43,7 +43,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from fuse_plugin import files, logs, sockets
-from fuse_plugin.broker import budget, frames, mountinfo, node, policy, protocol, records, shares
+from fuse_plugin.broker import (
+    budget,
+    cgroups,
+    frames,
+    mountinfo,
+    node,
+    policy,
+    protocol,
+    records,
+    shares,
+)
 from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker.admission import Admission, Limits
 from fuse_plugin.broker.conversation import Conversation
@@ -104,6 +114,7 @@ class Broker:
         self._listener: socket.socket | None = None
         self._identity: files.Identity | None = None
         self._mark = policy.Mark("", "")
+        self.charge = cgroups.Charge(())  # where helpers run: their callers' cgroups
         # Wakes the loop: signals (set_wakeup_fd, armed in start) and stop().
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -136,6 +147,7 @@ class Broker:
                               "`scripts/build-native DIR` from the source tree (Debian: gcc "
                               "musl-tools), then --shim DIR/fusermount3", EXIT_USAGE)
         try:
+            self.charge = _charge()
             node.ensure_fusectl()
             held = self.records.load()
         except OSError as err:
@@ -161,6 +173,7 @@ class Broker:
                    max_mounts_node=caps.mounts, max_mounts_pod=settings.max_mounts_pod,
                    max_pods=caps.max_pods, max_requests=caps.requests,
                    max_helpers=caps.helpers, fd_limit=fd_limit, held=held,
+                   charged=self.charge.names,
                    allow_other=settings.allow_other,
                    refuses_descriptors=self._refuses_descriptors)
         self._say_short(caps, fd_limit)
@@ -478,8 +491,12 @@ class Broker:
                 self._refuse(work, refused)
                 continue
             try:
-                work.job = Job.start(self.helper, work.caller, work.request,
-                                     time.monotonic() + HELPER_DEADLINE)
+                work.job = self._spawn(work)
+            except policy.Refused as uncharged:
+                if isinstance(uncharged, policy.OutOfResources):
+                    self._pause(uncharged.error)
+                self._refuse(work, uncharged)
+                continue
             except frames.FrameError as err:
                 self._refuse(work, policy.Refused(
                     f"the request cannot be handed to the helper whole ({err}); it is "
@@ -504,6 +521,19 @@ class Broker:
                 self._refuse(queue.popleft(), blocked)
         if queue is not None and not queue:
             del self._queued[container]
+
+    def _spawn(self, work: Conversation) -> Job:
+        """The request's helper, in its caller's cgroups (``cgroups``): ``Refused`` if
+        they cannot be opened or the caller has gone meanwhile."""
+        charge = self.charge.open(work.caller.pid)
+        try:
+            if charge and not work.caller.alive():  # the cgroups were its pid's, not a reuser's
+                raise policy.Refused(f"the calling process {work.caller.pid} has exited",
+                                     "caller")
+            return Job.start(self.helper, work.caller, work.request,
+                             time.monotonic() + HELPER_DEADLINE, charge)
+        finally:
+            cgroups.close(charge)
 
     def _helper_alive(self, container: str) -> bool:
         return container in self._running or any(g.container == container
@@ -746,6 +776,21 @@ class Broker:
         work.slot = None
         self.open.release(work.ticket)
         work.ticket = None
+
+
+def _charge() -> cgroups.Charge:
+    """The hierarchies helpers are charged in, from the node's cgroup namespace; a
+    ``Failure`` at start if the broker cannot write them (fail closed: no helper would
+    ever run in the broker's cgroups)."""
+    try:
+        cgroups.enter_node_namespace()
+        return cgroups.node_charge()
+    except cgroups.Unwritable as err:
+        raise Failure(str(err), EXIT_USAGE) from None
+    except OSError as err:
+        raise Failure(f"cannot see the node's cgroups: {err.strerror or err} (the broker "
+                      "needs host PID and CAP_SYS_ADMIN to join the node's cgroup "
+                      "namespace)") from None
 
 
 def _urgency(data: object) -> int:

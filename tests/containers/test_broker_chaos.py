@@ -1,10 +1,12 @@
 """The broker under chaos (issue 20), a short run of bench/broker_chaos.py's scenario:
-the real broker with its DaemonSet's flags, eight hostile containers attacking at once (a
+the real broker with its DaemonSet's flags, eight hostile pods attacking at once (a
 daemon that never answers and a rename race through it, a chroot race against the
 runtime's masks, silent connections, descriptors over SCM_RIGHTS, pinned and hidden
 mounts past the quota, a request flood, a file of a stub that never answers FLUSH named
-as fuse_fd, refusals with huge paths and options) while a root and a restricted uid 1000 container
-mount, read and unmount squashfuse through the shim; then SIGTERM in the middle of it.
+as fuse_fd, refusals with huge paths and options) while a root and a restricted uid 1000 pod
+mount, read and unmount squashfuse through the shim, and more pods (eight in the quick
+size, 99 in the full one: a node full to its maxPods) hold their share of silent
+connections; then SIGTERM in the middle of it.
 
 Only behaviour is asserted (the benchmark reports the times against its targets): every
 well-behaved mount works, every connection gets an answer, the broker holds nothing

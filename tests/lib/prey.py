@@ -10,6 +10,7 @@ pod's root can try with containerd's default capabilities:
                                 that changes the process
     prey.py stop ROUNDS DIR     SIGSTOP, and nothing else
     prey.py kill ROUNDS DIR     SIGKILL, and nothing else
+    prey.py watch ROUNDS DIR    catch it and do nothing to it
     prey.py none ROUNDS DIR     only the mounts: a neighbour that watches nothing
 
 ``--hits N``: after N signals have landed, catch but do not signal (a stopped helper
@@ -19,7 +20,9 @@ It prints one JSON object: ``caught`` (helper processes seen), ``probes`` (for e
 probe, how often it worked, ``ok``, or which errno it met), ``fds`` (the most
 descriptors one caught process was seen to hold, where listing them was allowed),
 ``uids`` (the Uid line of /proc/PID/status of each one, as this namespace sees it)
-and ``answers`` (the broker's answers to the mounts: counts and messages).
+``cgroups`` (each accounting line of /proc/PID/cgroup, memory, cpu, cpuacct and pids,
+with how often it was seen: whose cgroups the process is charged to) and ``answers``
+(the broker's answers to the mounts: counts and messages).
 
 The watch does not scan /proc: it reads ns_last_pid, so it sees each new pid of the
 namespace as soon as the kernel hands it out, and pins the process with a pidfd before
@@ -47,6 +50,7 @@ else:  # in the container, beside it
     import attacker
 
 HELPER_COMM = "fuse-broker-hel"  # the comm of fuse-broker-helper (15 characters)
+ACCOUNTING = {"memory", "cpu", "cpuacct", "pids", ""}  # "": cgroup v2's one line
 SYS_PIDFD_GETFD = 438
 PTRACE_DETACH = 17
 PTRACE_SEIZE = 0x4206
@@ -152,7 +156,7 @@ def churn(rounds: int, directory: str, answers: list[dict[str, Any]]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("look", "stop", "kill", "none"))
+    parser.add_argument("mode", choices=("look", "stop", "kill", "watch", "none"))
     parser.add_argument("rounds", type=int)
     parser.add_argument("dir")
     parser.add_argument("--hits", type=int, default=sys.maxsize)
@@ -160,6 +164,7 @@ def main() -> int:
     answers: list[dict[str, Any]] = []
     asker = threading.Thread(target=churn, args=(args.rounds, args.dir, answers), daemon=True)
     tally, held, uids = Tally(), list[int](), collections.Counter[str]()
+    charged = collections.Counter[str]()
     caught = hits = 0
     ns_last_pid = os.open("/proc/sys/kernel/ns_last_pid", os.O_RDONLY)
     seen = int(os.pread(ns_last_pid, 32, 0))
@@ -178,9 +183,12 @@ def main() -> int:
                 status = read(f"/proc/{pid}/status").decode()
                 uids[next(line for line in status.splitlines()
                           if line.startswith("Uid:"))] += 1
+                for line in read(f"/proc/{pid}/cgroup").decode().splitlines():
+                    if ACCOUNTING & set(line.split(":")[1].split(",")):
+                        charged[line] += 1
                 if args.mode == "look":
                     look(pid, pidfd, tally, held)
-                elif hits < args.hits:
+                elif args.mode != "watch" and hits < args.hits:
                     sig = signal.SIGSTOP if args.mode == "stop" else signal.SIGKILL
                     tally.attempt(args.mode, signal.pidfd_send_signal, pidfd, sig)
                     hits = tally.probes[args.mode]["ok"]
@@ -192,6 +200,7 @@ def main() -> int:
     asker.join()
     print(json.dumps({"caught": caught, "probes": {k: dict(v) for k, v in tally.probes.items()},
                       "fds": max(held, default=None), "uids": dict(uids),
+                      "cgroups": dict(charged),
                       "answers": attacker.tally(answers)}), flush=True)
     return 0
 

@@ -200,7 +200,7 @@ def test_the_drain_stops_accepting_serves_what_it_holds_and_refuses_the_rest_wit
     started: list[str] = []
 
     def start(program: Path, caller: callers.Caller, request: protocol.Request,
-              deadline: float) -> GatedHelper:
+              deadline: float, charge: object = ()) -> GatedHelper:
         started.append(request.path)
         return helpers[request.path]
 

@@ -41,6 +41,7 @@ DAEMONSET = one(BROKER / "broker-daemonset.yaml", "DaemonSet")
 PATCH = one(BROKER / "plugin-broker-mode.yaml", "DaemonSet")
 BROKER_DIR = "/var/lib/fuse-device-plugin/broker"
 STATE_DIR = "/run/fuse-device-plugin/broker"
+CGROUP_DIR = "/sys/fs/cgroup"  # the node's, writable: helpers run in callers' cgroups
 
 def built_with_component(tmp_path: Path, how: str) -> list[Doc]:
     """manifests/ with the component: from a kustomization of one's own ("outside"), or
@@ -133,16 +134,20 @@ def test_broker_has_exactly_the_privileges_its_header_justifies() -> None:
     assert context["seccompProfile"] == {"type": "Unconfined"}
     for privilege in ("hostPID", *(f"CAP_{cap}" for cap in added), "AppArmor Unconfined",
                       "seccomp Unconfined", f"hostPath {BROKER_DIR}",
-                      f"hostPath {STATE_DIR}"):
+                      f"hostPath {STATE_DIR}", f"hostPath {CGROUP_DIR}"):
         assert privilege in header, f"the header does not justify {privilege}"
     # A caller brings its own /dev/fuse: the broker asks for no slot, so it never waits
     # on the plugin's Allocate, nor gets the shim bound over its own files.
     assert "github.com/fuse" not in container["resources"].get("limits", {})
     assert host_paths(DAEMONSET) == {
         BROKER_DIR: {"path": BROKER_DIR, "type": "DirectoryOrCreate"},
-        STATE_DIR: {"path": STATE_DIR, "type": "DirectoryOrCreate"}}
+        STATE_DIR: {"path": STATE_DIR, "type": "DirectoryOrCreate"},
+        CGROUP_DIR: {"path": CGROUP_DIR, "type": "Directory"}}
+    assert not any(m.get("readOnly") for m in container["volumeMounts"]
+                   if m["mountPath"] == CGROUP_DIR)
     assert sorted(baseline_violations(DAEMONSET)) == sorted([
         "host namespace hostPID", "hostPath volume broker", "hostPath volume state",
+        "hostPath volume cgroup",
         "broker: adds SYS_ADMIN", "broker: adds SYS_PTRACE", "seccomp Unconfined",
         "AppArmor Unconfined"])
 
@@ -155,7 +160,7 @@ def test_broker_args_match_the_cli_and_the_plugin_patch() -> None:
     [patched] = containers(PATCH)
     assert patched["env"] == [{"name": "FUSE_DEVICE_PLUGIN_BROKER_DIR", "value": BROKER_DIR}]
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
-    assert {BROKER_DIR, str(args.state_dir)} == mounts
+    assert {BROKER_DIR, str(args.state_dir), CGROUP_DIR} == mounts
     assert str(args.state_dir) == STATE_DIR
     assert args.shim == settings.DEFAULT_SHIM
     # The probes read the port the broker serves.

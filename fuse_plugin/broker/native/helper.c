@@ -1,13 +1,16 @@
 /*
  * fuse-broker-helper: the broker's hands inside one caller's namespaces.
  *
- *     fuse-broker-helper CTLFD PIDFD MNTNSFD [USERNSFD]
+ *     FUSE_BROKER_CGROUPS="NAME=FD ..." fuse-broker-helper CTLFD PIDFD MNTNSFD [USERNSFD]
  *
  * The broker (fuse_plugin/broker/helper.py) starts one per request and never waits for
  * it: everything that touches a tenant's objects happens here, in a process the broker
  * can kill at its deadline. The fds are inherited: a SOCK_SEQPACKET control socket, a
  * pidfd of the caller, the caller's mount namespace and, for a caller in a user
- * namespace of its own, that namespace.
+ * namespace of its own, that namespace. FUSE_BROKER_CGROUPS names the caller's
+ * cgroup.procs files, open for writing, one per hierarchy that accounts memory, CPU or
+ * processes (fuse_plugin/broker/cgroups.py): join_cgroups moves this process into each
+ * before anything else, so what it allocates and runs is charged to the caller.
  *
  * The conversation: framed, typed messages (frames.py has the layout; the receiver
  * reads each with MSG_TRUNC, so a message longer than its buffer is refused whole, never
@@ -1254,11 +1257,44 @@ static void unmount_op(int proc, const struct fields *req)
 	say("status", "ok", "mnt_id", id, NULL);
 }
 
+/* Moves this process into the caller's cgroups (FUSE_BROKER_CGROUPS: "NAME=FD ...",
+ * each FD its cgroup.procs opened by the broker) and closes them. NULL, or why one move
+ * failed: the request is then refused once it has been read (the broker may still be
+ * sending it), and none runs in the broker's cgroups. */
+static const char *join_cgroups(void)
+{
+	static char why[160];
+	const char *list = getenv("FUSE_BROKER_CGROUPS");
+
+	while (list && *list) {
+		size_t len = strcspn(list, "=");
+		char *end;
+		long fd;
+
+		errno = 0;
+		fd = strtol(list + len + (list[len] == '='), &end, 10);
+		if (len == 0 || len > 40 || list[len] != '=' || errno || end == list + len + 1
+		    || fd < 0 || fd > (1 << 20)) {
+			snprintf(why, sizeof(why), "bad FUSE_BROKER_CGROUPS from the broker");
+			return why;
+		}
+		if (write((int)fd, "0", 1) != 1) {
+			snprintf(why, sizeof(why), "cannot run the helper in the caller's %.*s "
+				 "cgroup: %s", (int)len, list, strerror(errno));
+			return why;
+		}
+		close((int)fd);
+		list = end + strspn(end, " ");
+	}
+	return NULL;
+}
+
 int main(int argc, char *argv[])
 {
 	static char buf[MAX_FRAME];
 	struct fields req;
 	int pidfd, mntns, userns = -1, proc, mount, fuse = -1, agent_sock = -1;
+	const char *uncharged;
 
 	if (argc != 4 && argc != 5) {
 		fprintf(stderr, "usage: fuse-broker-helper CTLFD PIDFD MNTNSFD [USERNSFD]\n");
@@ -1273,11 +1309,17 @@ int main(int argc, char *argv[])
 	if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == -1)
 		failed("prctl PR_SET_DUMPABLE");
 	ctl = (int)number(argv[1], 1 << 20);
+	uncharged = join_cgroups(); /* first: all that follows is the caller's */
 	pidfd = (int)number(argv[2], 1 << 20);
 	mntns = (int)number(argv[3], 1 << 20);
 	if (argc == 5)
 		userns = (int)number(argv[4], 1 << 20);
 	hear(buf, REQUEST, REQUEST_FIELDS, "op path uid gid groups", &req);
+	if (uncharged) {
+		refusal_kind = "caller";
+		refused("%s; the broker runs no helper outside its caller's cgroups%s",
+			uncharged, "");
+	}
 	mount = check_request(&req);
 	/* With the broker's own credentials: the caller's fd, and the broker's /proc,
 	 * through which the caller's mount table is read after setns. */
