@@ -37,6 +37,7 @@ from tests.cluster.kube import (
     wait_mounted,
 )
 from tests.cluster.sshfs_example import SSHFS_POD, apply_sshfs_example, delete_sshfs_example
+from tests.cluster.worker import Worker
 from tests.kubelet.node import skip_reason as node_skip_reason
 from tests.kubelet.node import tail
 
@@ -65,7 +66,10 @@ def evidence_file() -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(evidence_file: Path, udev_fuse: None) -> Iterator[Cluster]:
+def cluster(request: pytest.FixtureRequest, evidence_file: Path,
+            udev_fuse: None) -> Iterator[Cluster]:
+    """The module's cluster: one node, or as many as the module's CLUSTER_NODES says
+    (the further ones tests/cluster/worker.py's)."""
     reason = node_skip_reason("cluster stage")
     if reason:
         print(f"SKIPPED cluster stage: {reason}", file=sys.stderr)
@@ -79,6 +83,7 @@ def cluster(evidence_file: Path, udev_fuse: None) -> Iterator[Cluster]:
     assert r.returncode == 0, f"setup.sh failed ({r.returncode}):\n{tail(setup_log, 60)}"
     setup_s = time.monotonic() - t0
     c = Cluster()
+    c.workers = [Worker(c, i) for i in range(2, getattr(request.module, "CLUSTER_NODES", 1) + 1)]
     kubectl_path = find_kubectl()  # after setup.sh, which installs the fallback
     if isinstance(kubectl_path, str):
         pytest.skip(kubectl_path)
