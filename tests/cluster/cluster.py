@@ -16,6 +16,8 @@ stage's own: state, data and logs, containerd's root and socket, and ports.
 Network: a bridge of our own (BRIDGE) carries the node's address NODE_IP and the pods'
 /24. Pods get no default route and the host does not forward, so pod traffic reaches the
 node and other pods and nothing else. The API server listens on the bridge address only.
+Further nodes (tests/cluster/worker.py, ``Cluster.workers``) join that bridge with their
+own address and their own range of the /24.
 """
 
 from __future__ import annotations
