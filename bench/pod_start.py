@@ -23,6 +23,7 @@ targets: the figures are in bench/README.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -112,8 +113,11 @@ def pod(name: str, image: str, mode: str, fuse: bool) -> dict[str, Any]:
 
 
 def pod_cgroup(uid: str, controller: str) -> Path | None:
-    """The pod's cgroup directory in a v1 hierarchy (kubepods/<qos>/pod<uid>)."""
-    found = list((CGROUP / controller).glob(f"kubepods*/**/pod{uid}"))
+    """The pod's cgroup directory in a v1 hierarchy: kubepods/pod<uid> (Guaranteed) or
+    kubepods/<qos>/pod<uid>."""
+    base = CGROUP / controller / "kubepods"
+    found = [d for d in (base / f"pod{uid}", base / "burstable" / f"pod{uid}",
+                         base / "besteffort" / f"pod{uid}") if d.is_dir()]
     return found[0] if found else None
 
 
@@ -148,7 +152,8 @@ class Usage:
     def _run(self) -> None:
         while not self._done.is_set():
             for n, u in self.pods.items():
-                self.rss[n] = max(self.rss[n], self.rss_bytes(u))
+                with contextlib.suppress(OSError):  # a pod restarting: the next sample
+                    self.rss[n] = max(self.rss[n], self.rss_bytes(u))
             self._done.wait(0.2)
 
     def __enter__(self) -> Usage:

@@ -7,6 +7,7 @@ tests/stack/versions.env).
     python -m tests.cluster.cluster up      # bring it up (binaries from setup.sh)
     python -m tests.cluster.cluster down    # tear down by recorded PIDs
     python -m tests.cluster.cluster status  # recorded processes and the Node
+    python -m tests.cluster.cluster up --nodes 2   # with a second node (worker.py)
 
 Process management, the private containerd and the lock come from tests/kubelet/node.py:
 the kubelet hard-codes /var/lib/kubelet/device-plugins/kubelet.sock, so this cluster and
@@ -455,11 +456,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cmd", choices=["up", "down", "status"])
+    ap.add_argument("--nodes", type=int, default=1, choices=[1, 2, 3],
+                    help="nodes in the cluster (up, down, status: give the same number)")
     args = ap.parse_args()
     c = Cluster(lock=False)
+    from tests.cluster.worker import Worker  # it imports this module
+
+    c.workers = [Worker(c, i) for i in range(2, args.nodes + 1)]
     if args.cmd == "up":
         c.up()
         c.children.clear()  # leave them running; `down` stops them by recorded PID
+        for w in c.workers:
+            w.children.clear()
         print(c.status())
         print(f"export KUBECONFIG={c.admin_kubeconfig}")
     elif args.cmd == "down":
