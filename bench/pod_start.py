@@ -213,12 +213,17 @@ def delete_namespace(api: Api) -> None:
 
 
 def measure(count: int, modes: Sequence[str]) -> dict[str, Any]:
-    found = find_kubectl()
-    if isinstance(found, str):
-        raise RuntimeError(found)
     cluster = Cluster()
     figures: dict[str, Any] = {}
     try:
+        # With the lock held: another worktree's set-up may have recorded its images.
+        r = subprocess.run([str(SETUP), "all"], capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            raise RuntimeError(f"{SETUP} all failed:\n{r.stderr[-2000:]}")
+        cluster.read_images()
+        found = find_kubectl()
+        if isinstance(found, str):
+            raise RuntimeError(found)
         cluster.up()
         kubectl = Kubectl(found[0], cluster.admin_kubeconfig)
         images = {**cluster.images, **cluster.cluster_images}
@@ -274,12 +279,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("bench.pod_start: needs root (it runs the cluster stage)", file=sys.stderr)
         return 2
-    r = subprocess.run([str(SETUP), "all"], capture_output=True, text=True, check=False)
-    if r.returncode != 0:
-        print(f"bench.pod_start: {SETUP} all failed:\n{r.stderr[-2000:]}", file=sys.stderr)
-        return 1
     began = time.monotonic()
-    figures = measure(args.pods, modes)
+    try:
+        figures = measure(args.pods, modes)
+    except RuntimeError as err:
+        print(f"bench.pod_start: {err}", file=sys.stderr)
+        return 1
     result = {"pods": args.pods, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "seconds": round(time.monotonic() - began, 1),
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),

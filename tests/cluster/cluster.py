@@ -232,6 +232,13 @@ class Cluster(Node):
         # before it; none unless a module asks (conftest's CLUSTER_NODES).
         self.workers: list[Node] = []
 
+    def read_images(self) -> None:
+        """The images setup.sh recorded last. Read again after a set-up made with the lock
+        held: the cache is shared, and a set-up from another worktree while this one
+        waited for the lock records that tree's images."""
+        self.images = nodemod.read_images_env()
+        self.cluster_images = read_env(IMAGES_ENV)
+
     # ---- what containerd is given
     def cni_dirs(self) -> tuple[Path, Path]:
         return self.bins / "cni", self.state / "cni" / "net.d"

@@ -76,16 +76,22 @@ def cluster(request: pytest.FixtureRequest, evidence_file: Path,
         pytest.skip(reason)
     LOGDIR.mkdir(parents=True, exist_ok=True)
     setup_log = LOGDIR / "setup.log"
+    # The lock first, then the set-up and its images: the cache is shared with other
+    # worktrees, whose set-up may record their own images while this one waits.
+    c = Cluster()
     t0 = time.monotonic()
     with open(setup_log, "w") as out:
         r = subprocess.run([str(HERE / "setup.sh"), "all"], stdout=out, stderr=subprocess.STDOUT,
                            timeout=SETUP_TIMEOUT, check=False)
+    if r.returncode != 0:
+        c.unlock()
     assert r.returncode == 0, f"setup.sh failed ({r.returncode}):\n{tail(setup_log, 60)}"
     setup_s = time.monotonic() - t0
-    c = Cluster()
+    c.read_images()
     c.workers = [Worker(c, i) for i in range(2, getattr(request.module, "CLUSTER_NODES", 1) + 1)]
     kubectl_path = find_kubectl()  # after setup.sh, which installs the fallback
     if isinstance(kubectl_path, str):
+        c.unlock()
         pytest.skip(kubectl_path)
     bins = c.bins
     evidence(
