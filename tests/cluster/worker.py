@@ -36,8 +36,9 @@ from tests.kubelet.node import log, tail, wait_for
 # The paths a node's parts share with no other node: the kubelet's root (device plugins,
 # DRA registry, seccomp profiles, pod volumes), its pod logs, the runtime's default state
 # (containerd 2 puts its shims' sockets under /run/containerd/s) and our DaemonSets'
-# hostPaths. /etc/apparmor.d stays shared: there is no AppArmor here and the cluster's
-# teardown removes what the installers wrote.
+# hostPaths (/run/fuse-broker is not one: it is where a pod sees the broker's directory).
+# /etc/apparmor.d stays shared: there is no AppArmor here and the cluster's teardown
+# removes what the installers wrote.
 NODE_PATHS = (
     Path("/var/lib/kubelet"),
     Path("/var/log/pods"),
@@ -45,7 +46,6 @@ NODE_PATHS = (
     Path("/run/containerd"),
     Path("/var/lib/fuse-device-plugin"),
     Path("/run/fuse-device-plugin"),
-    Path("/run/fuse-broker"),
     Path("/run/cdi"),  # /var/run/cdi: /var/run is /run
 )
 HOLDER = "namespaces"
