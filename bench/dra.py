@@ -25,7 +25,6 @@ table, writes JSON (``bench/results/dra.json`` or ``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -55,6 +54,7 @@ from bench.run import (
     running,
     settle,
     summary,
+    write_report,
 )
 from fuse_plugin.api import api_pb2_grpc, dra_pb2_grpc, pluginregistration_pb2_grpc
 from fuse_plugin.api import dra_pb2 as dra
@@ -332,10 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                           "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
               "sizes": {k: getattr(sizes, k) for k in sizes.__dataclass_fields__},
               "dra_flags": flags, "serve_flags": serve_flags, "figures": figures}
-    print(table(figures))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"JSON written to {args.out}")
+    write_report(args.out, result, table(figures))
     return 0
 
 

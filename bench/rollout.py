@@ -29,7 +29,6 @@ targets: the figures are in bench/README.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -40,7 +39,7 @@ from typing import Any
 
 import grpc
 
-from bench.run import Proc, deployed_flags, fake_node, start_plugin, summary
+from bench.run import Proc, deployed_flags, fake_node, start_plugin, summary, write_report
 from tests.lib.kubelet import KubeletStandIn
 from tests.lib.node import FakeNode
 
@@ -187,10 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "grpcio": grpc.__version__, "loadavg": os.getloadavg()},
               "serve_flags": plugin_flags(True), "figures": figures}
-    print(table(figures))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"JSON written to {args.out}")
+    write_report(args.out, result, table(figures))
     return 0
 
 

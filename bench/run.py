@@ -102,6 +102,14 @@ QUICK = Sizes(rereg=5, starts=2, health=5, alloc_rounds=3, seq_calls=100, conc_s
 
 # -- numbers -----------------------------------------------------------------------------
 
+def write_report(out: Path, result: dict[str, Any], text: str) -> None:
+    """Print a benchmark's table and write its JSON result to ``out``."""
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"JSON written to {out}")
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100)."""
     ordered = sorted(values)

@@ -7,6 +7,7 @@ tests/stack/versions.env).
     python -m tests.cluster.cluster up      # bring it up (binaries from setup.sh)
     python -m tests.cluster.cluster down    # tear down by recorded PIDs
     python -m tests.cluster.cluster status  # recorded processes and the Node
+    python -m tests.cluster.cluster up --nodes 2   # with a second node (worker.py)
 
 Process management, the private containerd and the lock come from tests/kubelet/node.py:
 the kubelet hard-codes /var/lib/kubelet/device-plugins/kubelet.sock, so this cluster and
@@ -16,6 +17,8 @@ stage's own: state, data and logs, containerd's root and socket, and ports.
 Network: a bridge of our own (BRIDGE) carries the node's address NODE_IP and the pods'
 /24. Pods get no default route and the host does not forward, so pod traffic reaches the
 node and other pods and nothing else. The API server listens on the bridge address only.
+Further nodes (tests/cluster/worker.py, ``Cluster.workers``) join that bridge with their
+own address and their own range of the /24.
 """
 
 from __future__ import annotations
@@ -157,8 +160,8 @@ class Api:
     def get(self, path: str) -> Any:
         return self.request("GET", path)
 
-    def node(self) -> dict[str, Any]:
-        n: dict[str, Any] = self.get(f"/api/v1/nodes/{NODE_NAME}")
+    def node(self, name: str = NODE_NAME) -> dict[str, Any]:
+        n: dict[str, Any] = self.get(f"/api/v1/nodes/{name}")
         return n
 
     def pods(self, namespace: str | None = None, selector: str = "") -> list[dict[str, Any]]:
@@ -187,6 +190,32 @@ def pod_ready(pod: dict[str, Any]) -> bool:
 # ---------------------------------------------------------------- the cluster
 
 
+def write_cni_config(conf_dir: Path, ipam_dir: Path, first: str, last: str) -> None:
+    """The CNI config that puts a node's pods on BRIDGE, from ``first`` to ``last`` of
+    POD_SUBNET: each node its own range of the one /24, so the pods of every node are
+    on one link. isGateway false: the bridge already holds the node's address, and a
+    gateway bridge would make the plugin switch on the host's IP forwarding. No routes:
+    pods reach the /24 only."""
+    shutil.rmtree(conf_dir, ignore_errors=True)
+    conf_dir.mkdir(parents=True)
+    conflist = {
+        "cniVersion": "0.4.0",
+        "name": "fdp-cluster",
+        "plugins": [{
+            "type": "bridge",
+            "bridge": BRIDGE,
+            "isGateway": False,
+            "ipMasq": False,
+            "ipam": {
+                "type": "host-local",
+                "ranges": [[{"subnet": POD_SUBNET, "rangeStart": first, "rangeEnd": last}]],
+                "dataDir": str(ipam_dir),
+            },
+        }],
+    }
+    (conf_dir / "10-fdp-cluster.conflist").write_text(json.dumps(conflist, indent=1))
+
+
 class Cluster(Node):
     stop_order = ("kubelet", "kube-scheduler", "kube-controller-manager", "kube-apiserver",
                   "etcd", "containerd")
@@ -199,6 +228,16 @@ class Cluster(Node):
         self.pki = Pki(STATE / "pki")
         self.api = Api(self.pki)
         self.admin_kubeconfig = self.pki.root / "admin.kubeconfig"
+        # Further nodes (tests/cluster/worker.py), brought up after this one and down
+        # before it; none unless a module asks (conftest's CLUSTER_NODES).
+        self.workers: list[Node] = []
+
+    def read_images(self) -> None:
+        """The images setup.sh recorded last. Read again after a set-up made with the lock
+        held: the cache is shared, and a set-up from another worktree while this one
+        waited for the lock records that tree's images."""
+        self.images = nodemod.read_images_env()
+        self.cluster_images = read_env(IMAGES_ENV)
 
     # ---- what containerd is given
     def cni_dirs(self) -> tuple[Path, Path]:
@@ -217,28 +256,9 @@ class Cluster(Node):
                     ["addr", "add", f"{NODE_IP}/24", "dev", BRIDGE],
                     ["link", "set", BRIDGE, "up"]):
             subprocess.run(["ip", *cmd], check=True, capture_output=True)
-        conf_dir = self.cni_dirs()[1]
-        shutil.rmtree(conf_dir, ignore_errors=True)
-        conf_dir.mkdir(parents=True)
-        # isGateway false: the bridge already holds NODE_IP, and a gateway bridge would make
-        # the plugin switch on the host's IP forwarding. No routes: pods reach the /24 only.
-        conflist = {
-            "cniVersion": "0.4.0",
-            "name": "fdp-cluster",
-            "plugins": [{
-                "type": "bridge",
-                "bridge": BRIDGE,
-                "isGateway": False,
-                "ipMasq": False,
-                "ipam": {
-                    "type": "host-local",
-                    "ranges": [[{"subnet": POD_SUBNET, "rangeStart": "10.244.77.10",
-                                 "rangeEnd": "10.244.77.250"}]],
-                    "dataDir": str(self.state / "cni" / "ipam"),
-                },
-            }],
-        }
-        (conf_dir / "10-fdp-cluster.conflist").write_text(json.dumps(conflist, indent=1))
+        prefix = NODE_IP.rsplit(".", 1)[0]
+        write_cni_config(self.cni_dirs()[1], self.state / "cni" / "ipam",
+                         f"{prefix}.10", f"{prefix}.127")
 
     def remove_network(self) -> None:
         if Path(f"/sys/class/net/{BRIDGE}").exists():
@@ -380,6 +400,8 @@ class Cluster(Node):
         self.start_controllers()
         self.start_containerd()
         self.start_kubelet()
+        for worker in self.workers:
+            worker.up()
 
     def drain(self) -> None:
         """Delete every workload through the API and wait for the kubelet to stop its pods,
@@ -402,6 +424,8 @@ class Cluster(Node):
                 self.drain()
             except (OSError, AssertionError) as exc:
                 log(f"drain: {exc}")
+        for worker in self.workers:
+            worker.down(quiet=quiet)
         super().down(quiet=True)
         self.remove_network()
         with contextlib.suppress(FileNotFoundError):
@@ -416,10 +440,11 @@ class Cluster(Node):
 
     def status(self) -> str:
         lines = [super().status()]
-        with contextlib.suppress(Exception):
-            n = self.api.node()
-            lines.append(f"node {NODE_NAME}: Ready={node_ready(n)} "
-                         f"allocatable={n['status'].get('allocatable')}")
+        for name in [NODE_NAME, *(w.node_name for w in self.workers)]:
+            with contextlib.suppress(Exception):
+                n = self.api.node(name)
+                lines.append(f"node {name}: Ready={node_ready(n)} "
+                             f"allocatable={n['status'].get('allocatable')}")
         return "\n".join(lines)
 
 
@@ -438,11 +463,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cmd", choices=["up", "down", "status"])
+    ap.add_argument("--nodes", type=int, default=1, choices=[1, 2, 3],
+                    help="nodes in the cluster (up, down, status: give the same number)")
     args = ap.parse_args()
     c = Cluster(lock=False)
+    from tests.cluster.worker import Worker  # it imports this module
+
+    c.workers = [Worker(c, i) for i in range(2, args.nodes + 1)]
     if args.cmd == "up":
         c.up()
         c.children.clear()  # leave them running; `down` stops them by recorded PID
+        for w in c.workers:
+            w.children.clear()
         print(c.status())
         print(f"export KUBECONFIG={c.admin_kubeconfig}")
     elif args.cmd == "down":

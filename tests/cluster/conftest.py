@@ -37,6 +37,7 @@ from tests.cluster.kube import (
     wait_mounted,
 )
 from tests.cluster.sshfs_example import SSHFS_POD, apply_sshfs_example, delete_sshfs_example
+from tests.cluster.worker import Worker
 from tests.kubelet.node import skip_reason as node_skip_reason
 from tests.kubelet.node import tail
 
@@ -65,22 +66,32 @@ def evidence_file() -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(evidence_file: Path, udev_fuse: None) -> Iterator[Cluster]:
+def cluster(request: pytest.FixtureRequest, evidence_file: Path,
+            udev_fuse: None) -> Iterator[Cluster]:
+    """The module's cluster: one node, or as many as the module's CLUSTER_NODES says
+    (the further ones tests/cluster/worker.py's)."""
     reason = node_skip_reason("cluster stage")
     if reason:
         print(f"SKIPPED cluster stage: {reason}", file=sys.stderr)
         pytest.skip(reason)
     LOGDIR.mkdir(parents=True, exist_ok=True)
     setup_log = LOGDIR / "setup.log"
+    # The lock first, then the set-up and its images: the cache is shared with other
+    # worktrees, whose set-up may record their own images while this one waits.
+    c = Cluster()
     t0 = time.monotonic()
     with open(setup_log, "w") as out:
         r = subprocess.run([str(HERE / "setup.sh"), "all"], stdout=out, stderr=subprocess.STDOUT,
                            timeout=SETUP_TIMEOUT, check=False)
+    if r.returncode != 0:
+        c.unlock()
     assert r.returncode == 0, f"setup.sh failed ({r.returncode}):\n{tail(setup_log, 60)}"
     setup_s = time.monotonic() - t0
-    c = Cluster()
+    c.read_images()
+    c.workers = [Worker(c, i) for i in range(2, getattr(request.module, "CLUSTER_NODES", 1) + 1)]
     kubectl_path = find_kubectl()  # after setup.sh, which installs the fallback
     if isinstance(kubectl_path, str):
+        c.unlock()
         pytest.skip(kubectl_path)
     bins = c.bins
     evidence(

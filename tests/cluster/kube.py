@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -261,3 +262,67 @@ def seccomp_seen(kubectl: Kubectl, api: Api, pod: str,
     profile: dict[str, str] = p["spec"]["containers"][0]["securityContext"]["seccompProfile"]
     return profile, exec_in(kubectl, namespace, pod, "grep ^Seccomp: /proc/self/status")
 
+
+
+def fuse_pod(name: str, image: str, namespace: str) -> dict[str, Any]:
+    """A pod asking for `github.com/fuse: 1` that checks it got /dev/fuse and stays."""
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{
+                "name": "c", "image": image, "imagePullPolicy": "IfNotPresent",
+                "command": ["/bin/sh", "-c", "test -c /dev/fuse && exec sleep 3600"],
+                "resources": {"limits": {RESOURCE: "1"}},
+            }],
+        },
+    }
+
+
+class PodEverySecond:
+    """A pod asking for `github.com/fuse: 1` created every second in ``namespace`` on a
+    thread (through the API, no kubectl process each), each ending at once."""
+
+    def __init__(self, api: Api, image: str, namespace: str) -> None:
+        self.api, self.image, self.namespace = api, image, namespace
+        self.names: list[str] = []
+        self.errors: list[str] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pods", daemon=True)
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            name = f"roll-{len(self.names)}"
+            pod = fuse_pod(name, self.image, self.namespace)
+            pod["spec"]["restartPolicy"] = "Never"
+            pod["spec"]["containers"][0]["command"] = ["/bin/sh", "-c", "test -c /dev/fuse"]
+            try:
+                self.api.request("POST", f"/api/v1/namespaces/{self.namespace}/pods", pod)
+                self.names.append(name)
+            except OSError as err:  # urllib's HTTPError and URLError are OSErrors
+                self.errors.append(f"{name}: {err}")
+            self._done.wait(1.0)
+
+    def __enter__(self) -> PodEverySecond:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._done.set()
+        self._thread.join(30)
+
+    def phases(self) -> dict[str, dict[str, Any]]:
+        """Every pod's status once it has ended (Succeeded or Failed)."""
+        def ended() -> dict[str, dict[str, Any]] | None:
+            pods = {p["metadata"]["name"]: p for p in self.api.pods(self.namespace)}
+            done = {n: {**p["status"], "nodeName": p["spec"].get("nodeName")}
+                    for n, p in pods.items()
+                    if p["status"].get("phase") in ("Succeeded", "Failed")}
+            return done if set(self.names) <= set(done) else None
+        found: dict[str, dict[str, Any]] = wait_for(
+            ended, 180, f"the {len(self.names)} rollout pods to end", interval=1,
+            detail=lambda: "\n".join(pod_summary(p) for p in self.api.pods(self.namespace)))
+        return found

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -42,6 +41,7 @@ from tests.cluster.kube import (
     PLUGIN_SELECTOR,
     RESOURCE,
     SLOTS_ENV,
+    PodEverySecond,
     daemonset_pod,
     delete_pod,
     events_text,
@@ -49,6 +49,7 @@ from tests.cluster.kube import (
     example_doc,
     example_overlay,
     exec_in,
+    fuse_pod,
     fuse_resources,
     pod_summary,
     rollout,
@@ -397,23 +398,6 @@ def test_lxcfs_example_shows_the_pods_memory_limit(
 SCHED_NS = "fdp-e2e-sched"
 
 
-def fuse_pod(name: str, image: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": SCHED_NS},
-        "spec": {
-            "automountServiceAccountToken": False,
-            "enableServiceLinks": False,
-            "terminationGracePeriodSeconds": 1,
-            "containers": [{
-                "name": "c", "image": image, "imagePullPolicy": "IfNotPresent",
-                "command": ["/bin/sh", "-c", "test -c /dev/fuse && exec sleep 3600"],
-                "resources": {"limits": {RESOURCE: "1"}},
-            }],
-        },
-    }
-
-
 def test_scheduler_places_pods_by_fuse_slots(
     deployed: dict[str, Any], kubectl: Kubectl, api: Api, images: dict[str, str]
 ) -> None:
@@ -431,7 +415,7 @@ def test_scheduler_places_pods_by_fuse_slots(
         two = wait_allocatable(api, 2)
         kubectl(*APPLY, "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": [
             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": SCHED_NS}},
-            *(fuse_pod(n, images["WORKLOAD_IMAGE"]) for n in names)]}))
+            *(fuse_pod(n, images["WORKLOAD_IMAGE"], SCHED_NS) for n in names)]}))
 
         def split() -> tuple[list[str], list[str]] | None:
             pods = {p["metadata"]["name"]: p for p in api.pods(SCHED_NS)}
@@ -527,51 +511,6 @@ def test_kubelet_restart_brings_capacity_back(
 ROLL_NS = "fdp-e2e-rollout"
 
 
-class PodEverySecond:
-    """A pod asking for `github.com/fuse: 1` created every second on a thread (through the
-    API, no kubectl process each), each ending at once."""
-
-    def __init__(self, api: Api, image: str) -> None:
-        self.api, self.image = api, image
-        self.names: list[str] = []
-        self.errors: list[str] = []
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pods", daemon=True)
-
-    def _run(self) -> None:
-        while not self._done.is_set():
-            name = f"roll-{len(self.names)}"
-            pod = fuse_pod(name, self.image)
-            pod["metadata"]["namespace"] = ROLL_NS
-            pod["spec"]["restartPolicy"] = "Never"
-            pod["spec"]["containers"][0]["command"] = ["/bin/sh", "-c", "test -c /dev/fuse"]
-            try:
-                self.api.request("POST", f"/api/v1/namespaces/{ROLL_NS}/pods", pod)
-                self.names.append(name)
-            except OSError as err:  # urllib's HTTPError and URLError are OSErrors
-                self.errors.append(f"{name}: {err}")
-            self._done.wait(1.0)
-
-    def __enter__(self) -> PodEverySecond:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self._done.set()
-        self._thread.join(30)
-
-    def phases(self) -> dict[str, dict[str, Any]]:
-        """Every pod's status once it has ended (Succeeded or Failed)."""
-        def ended() -> dict[str, dict[str, Any]] | None:
-            pods = {p["metadata"]["name"]: p["status"] for p in self.api.pods(ROLL_NS)}
-            done = {n: st for n, st in pods.items() if st.get("phase") in ("Succeeded", "Failed")}
-            return done if set(self.names) <= set(done) else None
-        found: dict[str, dict[str, Any]] = wait_for(
-            ended, 180, f"the {len(self.names)} rollout pods to end", interval=1,
-            detail=lambda: "\n".join(pod_summary(p) for p in self.api.pods(ROLL_NS)))
-        return found
-
-
 def test_rollout_restart_completes_and_rejects_no_fuse_pod(
         deployed: dict[str, Any], kubectl: Kubectl, api: Api, images: dict[str, str]) -> None:
     """`kubectl rollout restart` of the plugin DaemonSet finishes (a new pod Ready, the
@@ -582,7 +521,7 @@ def test_rollout_restart_completes_and_rejects_no_fuse_pod(
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ROLL_NS}}))
     old = deployed["metadata"]
     try:
-        with PodEverySecond(api, images["WORKLOAD_IMAGE"]) as stream:
+        with PodEverySecond(api, images["WORKLOAD_IMAGE"], ROLL_NS) as stream:
             wait_for(lambda: len(stream.names) >= 3, 30, "three pods before the rollout")
             began = time.monotonic()
             out = kubectl("-n", PLUGIN_NS, "rollout", "restart", f"daemonset/{PLUGIN_DS}").strip()
@@ -678,15 +617,13 @@ def test_cdi_answer_is_consumed_by_containerd(
         spec = json.loads(specs[0].read_text())
         kubectl(*APPLY, "-f", "-", stdin=json.dumps({
             "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": CDI_NS}}))
-        first = fuse_pod("cdi-a", images["WORKLOAD_IMAGE"])
-        first["metadata"]["namespace"] = CDI_NS
+        first = fuse_pod("cdi-a", images["WORKLOAD_IMAGE"], CDI_NS)
         kubectl(*APPLY, "-f", "-", stdin=json.dumps(first))
         running = wait_ready(api, CDI_NS, "cdi-a")
         dev = exec_in(kubectl, CDI_NS, "cdi-a", "ls -l /dev/fuse")
         saved = specs[0].read_bytes()
         specs[0].unlink()
-        second = fuse_pod("cdi-b", images["WORKLOAD_IMAGE"])
-        second["metadata"]["namespace"] = CDI_NS
+        second = fuse_pod("cdi-b", images["WORKLOAD_IMAGE"], CDI_NS)
         kubectl(*APPLY, "-f", "-", stdin=json.dumps(second))
 
         def refused() -> str | None:

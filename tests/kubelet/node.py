@@ -328,6 +328,12 @@ class Node:
         )
 
     def start_kubelet(self) -> None:
+        # The kubelet checks the runtime once and exits on "server is not initialized yet":
+        # containerd serves its socket before its CRI service has loaded its state, which
+        # on a loaded machine, after a run with many pods, takes seconds.
+        wait_for(lambda: cri_ready(self.containerd_sock), 60,
+                 "containerd's CRI service to be initialized",
+                 detail=lambda: tail(self.logdir / "containerd.log"))
         self.manifests.mkdir(parents=True, exist_ok=True)
         for d in [KUBELET_ROOT, DEVICE_PLUGIN_DIR, SECCOMP_ROOT]:
             d.mkdir(parents=True, exist_ok=True)
@@ -582,6 +588,21 @@ def render(src: Path, dst: Path, **extra: str) -> None:
         text = text.replace(f"@{k}@", v)
     dst.parent.mkdir(parents=True, exist_ok=True)
     dst.write_text(text)
+
+
+def cri_ready(sock: Path) -> bool:
+    """The runtime's CRI answers Version, the kubelet's first call (the request's one
+    field left empty, so its wire form is no bytes; the answer is not read)."""
+    import grpc
+
+    with grpc.insecure_channel(f"unix://{sock}") as channel:
+        version: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+            "/runtime.v1.RuntimeService/Version")
+        try:
+            version(b"", timeout=5)
+        except grpc.RpcError:
+            return False
+    return True
 
 
 def http_get(url: str, timeout: float = 5) -> str:
