@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -26,7 +27,6 @@ from typing import Any
 import pytest
 
 from fuse_plugin.broker import protocol
-from tests.cluster.cluster import LOGDIR
 from tests.kubelet.node import tail
 
 HERE = Path(__file__).resolve().parent
@@ -40,6 +40,7 @@ BUILD_TIMEOUT = 2700
 RUN_TIMEOUT = 300  # one emulated container: Python starts in seconds, not minutes
 LIBEXEC = "/usr/local/libexec/fuse-device-plugin"
 EM_AARCH64, EM_X86_64 = 183, 62
+PT_DYNAMIC, PT_INTERP = 2, 3
 # Podman's default rlimits for a container are its own, raised as far as it may; runc's
 # init is refused setting those here (EPERM on RLIMIT_NOFILE and RLIMIT_NPROC in this
 # sandbox). These programs need few of either.
@@ -103,19 +104,19 @@ def run_arm64(images: Images, *args: str, entrypoint: str | None = None
 
 
 @pytest.fixture(scope="module")
-def images() -> Images:
+def images(tmp_path_factory: pytest.TempPathFactory) -> Images:
     if os.geteuid() != 0:
         pytest.skip("needs root: debootstrap, binfmt_misc and podman's private storage")
     if shutil.which("podman") is None:  # setup.sh installs it; only by hand is it missing
         pytest.skip("needs podman: apt-get install podman (scripts/apt-packages.txt)")
-    LOGDIR.mkdir(parents=True, exist_ok=True)
-    log = LOGDIR / "multiarch.log"
+    # Not the cluster stage's log directory: a cluster bring-up empties that.
+    log = tmp_path_factory.mktemp("multiarch") / "setup.log"
     t0 = time.monotonic()
     with open(log, "w") as out:
         r = subprocess.run([str(HERE / "setup.sh"), "multiarch"], stdout=out,
                            stderr=subprocess.STDOUT, timeout=BUILD_TIMEOUT, check=False)
     assert r.returncode == 0, f"setup.sh multiarch failed ({r.returncode}):\n{tail(log, 60)}"
-    print(f"multiarch images ready in {time.monotonic() - t0:.0f}s", file=sys.stderr)
+    print(f"multiarch images ready in {time.monotonic() - t0:.0f}s ({log})", file=sys.stderr)
     env = dict(line.split("=", 1) for line in
                (FDP_CACHE / "cluster/images/multiarch.env").read_text().splitlines())
     return Images(env["PLUGIN_IMAGE_AMD64"], env["PLUGIN_IMAGE_ARM64"], env["PLUGIN_MANIFEST"])
@@ -145,8 +146,9 @@ def test_the_manifest_list_carries_both_platforms(images: Images) -> None:
         assert platforms[("linux", arch)] == image["Digest"]
 
 
-def elf_machine(ref: str, path: str) -> int:
-    """The e_machine of a file in an image, read from the image's own layers."""
+def elf_facts(ref: str, path: str) -> tuple[int, set[int]]:
+    """The e_machine of a file in an image, read from the image's own layers, and the
+    kinds of its program headers."""
     r = podman("create", ref)
     assert r.returncode == 0, r.stderr
     container = r.stdout.strip()
@@ -157,15 +159,21 @@ def elf_machine(ref: str, path: str) -> int:
     finally:
         podman("rm", container)
     assert data[:4] == b"\x7fELF"
-    return int.from_bytes(data[18:20], "little")
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    kinds = {struct.unpack_from("<I", data, phoff + i * phentsize)[0] for i in range(phnum)}
+    return int.from_bytes(data[18:20], "little"), kinds
 
 
 def test_the_arm64_images_programs_are_built_for_arm64(images: Images) -> None:
-    """The shim and the helper are aarch64 programs in the arm64 image and x86-64 ones
-    in the amd64 image: the builder stage ran for the target, not the build machine."""
+    """The shim and the helper are static aarch64 programs in the arm64 image (no
+    loader: the shim runs in any workload image) and x86-64 ones in the amd64 image: the
+    builder stage ran for the target, not for the build machine."""
     for name in ("fusermount3", "fuse-broker-helper"):
-        assert elf_machine(images.arm64, f"{LIBEXEC}/{name}") == EM_AARCH64
-        assert elf_machine(images.amd64, f"{LIBEXEC}/{name}") == EM_X86_64
+        for ref, machine in ((images.arm64, EM_AARCH64), (images.amd64, EM_X86_64)):
+            found, kinds = elf_facts(ref, f"{LIBEXEC}/{name}")
+            assert found == machine, (ref, name)
+            assert not kinds & {PT_DYNAMIC, PT_INTERP}, (ref, name, kinds)
 
 
 def test_the_plugin_answers_help_under_emulation(images: Images) -> None:
