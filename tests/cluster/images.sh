@@ -62,6 +62,11 @@ emulate() {
         cat "$conf" > "$dir/register"
     fi
     [ "$(head -n1 "$dir/$name")" = enabled ] || { log "$dir/$name is disabled"; exit 1; }
+    # Registered by someone else without F, the interpreter is looked up inside each
+    # container's root at exec, where it is not.
+    grep -q '^flags: .*F' "$dir/$name" || {
+        log "$dir/$name lacks the F flag (containers cannot find its interpreter):" \
+            "echo -1 > $dir/$name, then run this again"; exit 1; }
 }
 
 # base_image ARCH: the Debian base for ARCH, made once; prints its ref.
