@@ -146,6 +146,32 @@ def test_the_manifest_list_carries_both_platforms(images: Images) -> None:
         assert platforms[("linux", arch)] == image["Digest"]
 
 
+def test_the_list_pushes_whole_with_both_images(images: Images, tmp_path: Path) -> None:
+    """The README's last step, `podman manifest push --all`, into an OCI layout instead
+    of a registry (none is reachable): the pushed tag is an index of exactly the two
+    platforms, each manifest's config names its architecture, and every layer is there."""
+    dest = tmp_path / "oci"
+    r = podman("manifest", "push", "--all", images.manifest, f"oci:{dest}:0.1.0")
+    assert r.returncode == 0, r.stderr
+
+    def blob(digest: str) -> Any:
+        algorithm, value = digest.split(":", 1)
+        return json.loads((dest / "blobs" / algorithm / value).read_text())
+
+    [tag] = json.loads((dest / "index.json").read_text())["manifests"]
+    assert tag["annotations"]["org.opencontainers.image.ref.name"] == "0.1.0"
+    pushed = blob(tag["digest"])["manifests"]
+    assert sorted((m["platform"]["os"], m["platform"]["architecture"]) for m in pushed) == [
+        ("linux", "amd64"), ("linux", "arm64")]
+    for entry in pushed:
+        manifest = blob(entry["digest"])
+        assert blob(manifest["config"]["digest"])["architecture"] == \
+            entry["platform"]["architecture"]
+        for layer in manifest["layers"]:
+            algorithm, value = layer["digest"].split(":", 1)
+            assert (dest / "blobs" / algorithm / value).stat().st_size == layer["size"]
+
+
 def elf_facts(ref: str, path: str) -> tuple[int, set[int]]:
     """The e_machine of a file in an image, read from the image's own layers, and the
     kinds of its program headers."""
