@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tests.cluster import runtime
 from tests.cluster.pki import Pki
 from tests.kubelet import node as nodemod
 from tests.kubelet.node import (
@@ -344,7 +345,7 @@ class Cluster(Node):
         self.render(HERE / "kubelet-config.yaml.in", cfg, NODE_IP=NODE_IP,
                     KUBELET_PORT=str(KUBELET_PORT), HEALTHZ_PORT=str(KUBELET_HEALTHZ),
                     PKI=str(self.pki.root))
-        sock = f"unix://{self.containerd_sock}"
+        sock = runtime.endpoint(self)
         return [
             str(self.kubelet_bin),
             f"--config={cfg}",
@@ -378,7 +379,7 @@ class Cluster(Node):
         self.start_etcd()
         self.start_apiserver()
         self.start_controllers()
-        self.start_containerd()
+        runtime.start(self)
         self.start_kubelet()
 
     def drain(self) -> None:
@@ -402,6 +403,7 @@ class Cluster(Node):
                 self.drain()
             except (OSError, AssertionError) as exc:
                 log(f"drain: {exc}")
+        runtime.clean(self)
         super().down(quiet=True)
         self.remove_network()
         with contextlib.suppress(FileNotFoundError):
