@@ -225,12 +225,10 @@ def load_seccomp(profile: str | Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def capabilities(request: ContainerRequest,
-                 defaults: Sequence[str] = DEFAULT_CAPABILITIES) -> list[str]:
-    """The runtime's default set (containerd's unless given), minus what the pod drops,
-    plus what it adds."""
+def capabilities(request: ContainerRequest) -> list[str]:
+    """containerd's default set, minus what the pod drops, plus what it adds."""
     drop = set(request.drop_capabilities)
-    base = () if DROP_ALL in drop else defaults
+    base = () if DROP_ALL in drop else DEFAULT_CAPABILITIES
     caps = [c for c in base if c not in drop]
     caps += [c for c in request.add_capabilities if c not in caps and c not in drop]
     return caps

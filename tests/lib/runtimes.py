@@ -7,7 +7,7 @@ defaults.
 
 CRI-O's defaults, as CRI-O 1.36.3 (tests/stack/versions.env) has them:
 
-- capabilities: ``internal/config/capabilities/capabilities.go``'s ``Default()``:
+- capabilities: ``internal/config/capabilities/capabilities_linux.go``'s ``Default()``:
   CHOWN, DAC_OVERRIDE, FSETID, FOWNER, SETGID, SETUID, SETPCAP, NET_BIND_SERVICE, KILL;
   so, unlike containerd's set, no SYS_CHROOT, MKNOD, NET_RAW, SETFCAP or AUDIT_WRITE.
 - seccomp: ``internal/config/seccomp/seccomp.go``'s ``DefaultProfile()``: the profile of
