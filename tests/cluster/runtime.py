@@ -22,11 +22,15 @@ import socket
 import subprocess
 from pathlib import Path
 
+from tests.kubelet import node as nodemod
 from tests.kubelet.node import Node, log, tail, wait_for
 from tests.lib.runtimes import is_crio
 
 HERE = Path(__file__).resolve().parent
 CONMON = Path("/usr/bin/conmon")
+# The podman storage tests/cluster/images.sh builds the stage's images in (its PODMAN).
+BUILDER_STORE = (nodemod.CACHE / "cluster" / "podman",
+                 Path("/run/fuse-device-plugin-cluster/podman"))
 
 
 # ---------------------------------------------------------------- CRI-O
@@ -40,40 +44,41 @@ def crio_socket(node: Node) -> Path:
     return crio_dir(node) / "crio.sock"
 
 
-def storage_args(node: Node) -> list[str]:
-    """podman's flags for CRI-O's own image store (its root and runroot in the config)."""
-    return ["--root", str(node.data / "crio" / "storage"),
-            "--runroot", str(node.state / "crio" / "storage"), "--storage-driver", "overlay"]
+def crio_store(node: Node) -> tuple[Path, Path]:
+    """CRI-O's image store: its root and runroot, as crio.conf.in sets them."""
+    return node.data / "crio" / "storage", node.state / "crio" / "storage"
 
 
-def podman(node: Node, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["podman", *storage_args(node), *args], capture_output=True,
-                          text=True, timeout=timeout, check=False)
+def podman(store: tuple[Path, Path], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["podman", "--root", str(store[0]), "--runroot", str(store[1]),
+                           "--storage-driver", "overlay", "--cgroup-manager", "cgroupfs",
+                           "--events-backend", "file", *args],
+                          capture_output=True, text=True, timeout=600, check=False)
 
 
 def import_images(node: Node) -> None:
-    """Every image the node's pods use, into CRI-O's storage, from the archives the
-    containerd path imports with ctr: the docker archive keeps its names; an OCI archive
-    (the pause and workload images) is loaded under its short ref and tagged with the
-    name the pods use."""
-    wanted = node.wanted_images()
-    missing = [(ref, tar) for ref, tar in wanted
-               if podman(node, "image", "exists", ref).returncode != 0]
-    for tar in dict.fromkeys(tar for _, tar in missing):
-        log(f"importing {tar} into CRI-O's storage")
-        r = podman(node, "load", "-i", tar)
-        if r.returncode != 0:
-            raise RuntimeError(f"podman load -i {tar} failed: {r.stderr.strip()}")
-        loaded = [line.split(":", 1)[1].strip() for line in r.stdout.splitlines()
-                  if line.startswith("Loaded image")]
-        refs = [ref for ref, t in missing if t == tar]
-        if len(loaded) == 1 and len(refs) == 1 and loaded[0] != refs[0]:
-            t = podman(node, "tag", loaded[0], refs[0])
-            if t.returncode != 0:
-                raise RuntimeError(f"podman tag {loaded[0]} {refs[0]}: {t.stderr.strip()}")
-    still = [ref for ref, _ in wanted if podman(node, "image", "exists", ref).returncode != 0]
-    if still:
-        raise RuntimeError(f"images not in CRI-O's storage after import: {still}")
+    """Every image the node's pods use, into CRI-O's store. The stage's own images are
+    copied store to store from images.sh's podman storage, where every tag stays (the
+    archive the containerd path imports is one per build and another run's set-up may
+    replace it); the kubelet stage's pause and workload images are OCI archives, loaded
+    under their short ref and tagged with the name the pods use."""
+    mine = crio_store(node)
+    target = f"containers-storage:[overlay@{mine[0]}+{mine[1]}]"
+    for ref, tar in node.wanted_images():
+        if podman(mine, "image", "exists", ref).returncode == 0:
+            continue
+        log(f"importing {ref} into CRI-O's store")
+        if podman(BUILDER_STORE, "image", "exists", ref).returncode == 0:
+            r = podman(BUILDER_STORE, "push", "--quiet", ref, target + ref)
+        else:
+            r = podman(mine, "load", "-i", tar)
+            loaded = [line.split(":", 1)[1].strip() for line in r.stdout.splitlines()
+                      if line.startswith("Loaded image")]
+            if r.returncode == 0 and loaded and loaded != [ref]:
+                r = podman(mine, "tag", loaded[-1], ref)
+        if r.returncode != 0 or podman(mine, "image", "exists", ref).returncode != 0:
+            raise RuntimeError(f"{ref} is not in CRI-O's store after import from {tar}: "
+                               f"{r.stderr.strip()}")
 
 
 def serving(path: Path) -> bool:

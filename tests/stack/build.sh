@@ -142,7 +142,7 @@ crio() {
     if [ ! -x "$BIN/pinns" ]; then
         src="$(cd "$dir" && go mod download -json "$m@$CRIO" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')/pinns/src"
         log "building pinns ($src)"
-        cc -std=c99 -Os -Wall -Wextra -static -o "$BIN/pinns.tmp" "$src"/*.c
+        gcc -std=c99 -Os -Wall -Wextra -static -o "$BIN/pinns.tmp" "$src"/*.c
         strip -s "$BIN/pinns.tmp"
         mv "$BIN/pinns.tmp" "$BIN/pinns"
     fi
