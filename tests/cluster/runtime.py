@@ -100,12 +100,12 @@ def start_crio(node: Node) -> None:
     # Our images come from local archives, never a registry: accept them as they are.
     (d / "policy.json").write_text(json.dumps(
         {"default": [{"type": "insecureAcceptAnything"}]}))
-    clamp = d / "runc-oom-clamp"
-    node.render(HERE / "runc-oom-clamp.in", clamp, RUNC=str(node.bins / "runc"))
-    clamp.chmod(0o755)
+    wrapper = d / "runc-node"
+    node.render(HERE / "runc-node.in", wrapper, RUNC=str(node.bins / "runc"))
+    wrapper.chmod(0o755)
     cfg = d / "crio.conf"
     node.render(HERE / "crio.conf.in", cfg, SOCKET=str(crio_socket(node)),
-                PINNS=str(node.bins / "pinns"), RUNTIME=str(clamp),
+                PINNS=str(node.bins / "pinns"), RUNTIME=str(wrapper),
                 CONMON=str(CONMON), PAUSE_IMAGE=node.images["PAUSE_IMAGE"],
                 CNI_BIN_DIR=str(cni_bin), CNI_CONF_DIR=str(cni_conf))
     import_images(node)
