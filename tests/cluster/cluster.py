@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tests.cluster import runtime
 from tests.cluster.pki import Pki
 from tests.kubelet import node as nodemod
 from tests.kubelet.node import (
@@ -364,7 +365,7 @@ class Cluster(Node):
         self.render(HERE / "kubelet-config.yaml.in", cfg, NODE_IP=NODE_IP,
                     KUBELET_PORT=str(KUBELET_PORT), HEALTHZ_PORT=str(KUBELET_HEALTHZ),
                     PKI=str(self.pki.root))
-        sock = f"unix://{self.containerd_sock}"
+        sock = runtime.endpoint(self)
         return [
             str(self.kubelet_bin),
             f"--config={cfg}",
@@ -398,7 +399,7 @@ class Cluster(Node):
         self.start_etcd()
         self.start_apiserver()
         self.start_controllers()
-        self.start_containerd()
+        runtime.start(self)
         self.start_kubelet()
         for worker in self.workers:
             worker.up()
@@ -426,6 +427,7 @@ class Cluster(Node):
                 log(f"drain: {exc}")
         for worker in self.workers:
             worker.down(quiet=quiet)
+        runtime.clean(self)
         super().down(quiet=True)
         self.remove_network()
         with contextlib.suppress(FileNotFoundError):

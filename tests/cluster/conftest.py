@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.cluster import runtime
 from tests.cluster import servers as servermod
 from tests.cluster.cluster import LOGDIR, Api, Cluster, Kubectl, find_kubectl
 from tests.cluster.kube import (
@@ -40,6 +41,7 @@ from tests.cluster.sshfs_example import SSHFS_POD, apply_sshfs_example, delete_s
 from tests.cluster.worker import Worker
 from tests.kubelet.node import skip_reason as node_skip_reason
 from tests.kubelet.node import tail
+from tests.lib import runtimes
 
 HERE = Path(__file__).resolve().parent
 # Cold on a fresh machine: packages, the kubernetes source, five Go binaries, the images.
@@ -104,6 +106,10 @@ def cluster(request: pytest.FixtureRequest, evidence_file: Path,
         "kube-scheduler: " + first_line(str(bins / "kube-scheduler"), "--version"),
         "kubelet: " + first_line(str(bins / "kubelet"), "--version"),
         "containerd: " + first_line(str(bins / "containerd"), "--version"),
+        *([f"the node's runtime: CRI-O ({runtimes.VARIABLE}=crio)",
+           "crio: " + first_line(str(bins / "crio"), "--version"),
+           "conmon: " + first_line(str(runtime.CONMON), "--version")]
+          if runtimes.is_crio() else ["the node's runtime: containerd"]),
         "runc: " + first_line(str(bins / "runc"), "--version"),
         "podman: " + first_line("podman", "--version"),
         "CNI plugins: " + first_line(str(bins / "cni" / "bridge"), "--version"),

@@ -43,7 +43,8 @@ def keygen(path: Path) -> str:
 
 def _pod(name: str, image: str, command: list[str], port: int, *,
          volumes: list[dict[str, Any]] | None = None,
-         mounts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+         mounts: list[dict[str, Any]] | None = None,
+         capabilities: tuple[str, ...] = ()) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "namespace": NAMESPACE, "labels": {"app": name}},
@@ -56,6 +57,7 @@ def _pod(name: str, image: str, command: list[str], port: int, *,
                 "command": command,
                 "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 1},
                 "volumeMounts": mounts or [],
+                "securityContext": {"capabilities": {"add": list(capabilities)}},
             }],
             "volumes": volumes or [],
         },
@@ -96,7 +98,10 @@ def start(kubectl: Kubectl, api: Api, image: str, keys: Path) -> Servers:
               "mkdir -p /srv/data && exec /usr/sbin/sshd -D -e -f /cfg/sshd_config"],
              22,
              volumes=[{"name": "cfg", "secret": {"secretName": "sshd", "defaultMode": 0o400}}],
-             mounts=[{"name": "cfg", "mountPath": "/cfg", "readOnly": True}]),
+             mounts=[{"name": "cfg", "mountPath": "/cfg", "readOnly": True}],
+             # sshd's privilege separation chroots each session: containerd's default set
+             # has SYS_CHROOT, CRI-O's has not (without it sshd resets every connection).
+             capabilities=("SYS_CHROOT",)),
         _pod("moto", image, ["moto_server", "-H", "0.0.0.0", "-p", str(MOTO_PORT)], MOTO_PORT),
     ]
     kubectl(*APPLY, "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List",

@@ -25,8 +25,8 @@ log() { echo "[cluster-setup $(date +%H:%M:%S)] $*" >&2; }
 
 # What this stage needs beyond tests/kubelet (also listed in scripts/apt-packages.txt):
 # the image builder, certificates, the node's bridge, the base image, buildah for the
-# rootless-build workload's image.
-PKGS=(podman openssl iproute2 debootstrap)
+# rootless-build workload's image; conmon, the monitor CRI-O runs (FUSE_E2E_RUNTIME=crio).
+PKGS=(podman openssl iproute2 debootstrap conmon)
 # The arm64 image's build steps and programs run under qemu-user (images.sh multiarch).
 MULTIARCH_PKGS=(podman debootstrap qemu-user-static)
 

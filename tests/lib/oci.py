@@ -44,6 +44,7 @@ from fuse_plugin.demo.container import (
     seccomp_profile,
     write_bundle,
 )
+from tests.lib import runtimes
 
 __all__ = [
     "ALL_CAPABILITIES",
@@ -154,6 +155,12 @@ def build_spec(request: base.ContainerRequest) -> Spec:
     if not isinstance(request, ContainerRequest):
         return spec
     process, linux = spec["process"], spec["linux"]
+    # The chosen runtime's defaults (FUSE_E2E_RUNTIME): CRI-O's set, a subset of
+    # containerd's, lacks SYS_CHROOT among others; what the pod adds stays.
+    defaults = runtimes.default_capabilities()
+    caps = [c for c in base.capabilities(request)
+            if c in defaults or c in request.add_capabilities]
+    process["capabilities"] = {"bounding": caps, "effective": caps, "permitted": caps}
     process["user"] = {"uid": request.user[0], "gid": request.user[1],
                        **({"additionalGids": list(request.groups)} if request.groups else {})}
     # True for a restricted pod (allowPrivilegeEscalation: false).

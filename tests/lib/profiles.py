@@ -18,12 +18,13 @@ from collections.abc import Iterable
 from functools import cache
 
 from fuse_plugin.profiles import presets
-from tests.lib import oci
 from tests.lib import runtime_default as converter
+from tests.lib import runtimes
 
 PRESETS = tuple(presets.PRESETS)
-# containerd's default bounding set, the one a pod without capability additions gets.
-DEFAULT_CAPS = oci.DEFAULT_CAPABILITIES
+# The chosen runtime's default bounding set (containerd's unless FUSE_E2E_RUNTIME=crio),
+# the one a pod without capability additions gets.
+DEFAULT_CAPS = runtimes.default_capabilities()
 
 
 def capabilities(preset: str) -> tuple[str, ...]:
@@ -62,11 +63,13 @@ def without_additions(preset: str) -> str:
 
 def runtime_default(capabilities: Iterable[str] = DEFAULT_CAPS) -> str:
     """The runtime-default profile as OCI JSON text, for a container whose bounding set is
-    ``capabilities`` (containerd's default set unless given): hostile tests attack with
-    exactly what a tenant has. Fails when containers-common's file is missing."""
+    ``capabilities`` (the chosen runtime's default set unless given), from that
+    runtime's rules (tests/lib/runtimes.py): hostile tests attack with exactly what a
+    tenant has. Fails when the rules' file is missing."""
     return _runtime_default(frozenset(capabilities))
 
 
 @cache
 def _runtime_default(capabilities: frozenset[str]) -> str:
-    return json.dumps(converter.runtime_default(capabilities))
+    return json.dumps(converter.resolve(converter.convert(
+        runtimes.seccomp_source(), capabilities, converter.this_host())))

@@ -5,7 +5,9 @@
 #
 #   Kubernetes (kubelet, kube-apiserver, kube-controller-manager, kube-scheduler),
 #   etcd, containerd + containerd-shim-runc-v2 + ctr, runc (cgo, libseccomp), the CNI plugins
-#   bridge, host-local and loopback, and the pause image's pause.c.
+#   bridge, host-local and loopback, and the pause image's pause.c; with
+#   FUSE_E2E_RUNTIME=crio also CRI-O (crio, cgo with libseccomp) and its pinns (C, from
+#   the same module's source; conmon is Debian's).
 #
 #   tests/stack/build.sh          build what is missing (idempotent, quick when cached)
 #   tests/stack/build.sh dir      print the directory holding bin/ (nothing is built)
@@ -126,10 +128,35 @@ cni() {
     done
 }
 
+crio() {
+    local dir m=github.com/cri-o/cri-o src
+    dir="$(printf 'module fdp.local/crio\ngo %s\nrequire %s %s\n' "$GO_MIN" "$m" "$CRIO" | wrapper crio)"
+    # The tags CRI-O's Makefile picks on a machine like this one (hack/*_tag.sh): seccomp
+    # (libseccomp-dev), the pure-Go OpenPGP, no btrfs, no ostree; no AppArmor or SELinux
+    # (the kernel has neither). cgo for libseccomp, as runc.
+    CGO_ENABLED=1 build crio "$dir" "$m/cmd/crio" \
+        -tags "containers_image_ostree_stub exclude_graphdriver_btrfs containers_image_openpgp seccomp" \
+        -ldflags "-s -w -X $m/internal/version.buildCommit=module"
+    # pinns (pins a pod's namespaces to files) is C in the module's pinns/, built as its
+    # Makefile does: static, -std=c99 -Os.
+    if [ ! -x "$BIN/pinns" ]; then
+        src="$(cd "$dir" && go mod download -json "$m@$CRIO" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')/pinns/src"
+        log "building pinns ($src)"
+        gcc -std=c99 -Os -Wall -Wextra -static -o "$BIN/pinns.tmp" "$src"/*.c
+        strip -s "$BIN/pinns.tmp"
+        mv "$BIN/pinns.tmp" "$BIN/pinns"
+    fi
+}
+
 t0=$SECONDS
 kubernetes
 etcd
 containerd
 runc
 cni
+case "${FUSE_E2E_RUNTIME:-containerd}" in
+    containerd) ;;
+    crio) crio ;;
+    *) echo "stack: FUSE_E2E_RUNTIME must be containerd or crio, not '$FUSE_E2E_RUNTIME'" >&2; exit 2 ;;
+esac
 log "ready in $((SECONDS - t0)) s: $BIN ($(cd "$BIN" && ls | paste -sd' ' -))"
