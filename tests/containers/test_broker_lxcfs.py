@@ -69,12 +69,14 @@ def bound(broker: BrokerProcess, count: int) -> bool:
     return len(broker.events("broker.lxcfs")) >= count
 
 
-def test_a_restricted_container_sees_its_own_limits(
+@pytest.mark.parametrize("host_users", [True, False], ids=["restricted", "hostUsers-false"])
+def test_a_container_with_no_capability_sees_its_own_limits(
         broker_allocation: api.ContainerAllocateResponse, views_broker: BrokerProcess,
-        node_lxcfs: LxcfsInstance, runc: oci.Runc) -> None:
+        node_lxcfs: LxcfsInstance, runc: oci.Runc, host_users: bool) -> None:
     host_kb = memtotal_kb(Path("/proc/meminfo").read_text())
     assert host_kb != LIMIT // 1024
-    container = runc.create(oci.build_spec(consumer(broker_allocation, WRAPPED)),
+    container = runc.create(oci.build_spec(consumer(broker_allocation, WRAPPED,
+                                                    host_users=host_users)),
                             "lxcfs-consumer").start()
     wait_for(lambda: bound(views_broker, 1), 20, "the broker to bind the views",
              detail=views_broker.log)
