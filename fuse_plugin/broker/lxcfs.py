@@ -44,6 +44,7 @@ from fuse_plugin import logs, sockets
 from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker import policy, protocol
 from fuse_plugin.broker.conversation import Conversation
+from fuse_plugin.broker.lxcfs_records import Consumer, ConsumerRecords
 
 OP = "lxcfs"
 TOOL_NAME = "fuse-broker-lxcfs"
@@ -74,22 +75,6 @@ class Instance:
         self.sock.close()
         with contextlib.suppress(OSError):
             os.close(self.mnt_ns)
-
-
-@dataclass(eq=False)
-class Consumer:
-    """A process that asked for the views, and its mount namespace, held until it
-    exits (its pidfd says when)."""
-
-    container: str
-    pid: int
-    pidfd: int
-    mnt_ns: int
-
-    def close(self) -> None:
-        for fd in (self.pidfd, self.mnt_ns):
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
 
 @dataclass(eq=False)
@@ -141,7 +126,7 @@ class Views:
     """The broker's side of LXCFS views, driven by the loop (``server.Broker``)."""
 
     def __init__(self, selector: selectors.BaseSelector, *, tool: Path, directory: Path,
-                 mark: policy.Mark, log: logging.Logger,
+                 state: Path, mark: policy.Mark, log: logging.Logger,
                  answer: Callable[[Conversation, policy.Refused | str | None, bool], None]
                  ) -> None:
         self.selector = selector
@@ -156,6 +141,7 @@ class Views:
         self.running: list[Bind] = []
         self.queued: collections.deque[Bind] = collections.deque()
         self._listener: socket.socket | None = None
+        self.records = ConsumerRecords(state)
 
     # -- lxcfs's side --------------------------------------------------------------------
 
@@ -176,6 +162,14 @@ class Views:
         listener.setblocking(False)
         self._listener = listener
         self.selector.register(listener, selectors.EVENT_READ, Event("listen", listener))
+        for consumer in self.records.load():  # a restarted broker's: healed from now on
+            self._watch(consumer)
+        if self.consumers:
+            logs.event(self.log, "broker.lxcfs_consumers_loaded", count=len(self.consumers))
+
+    def _watch(self, consumer: Consumer) -> None:
+        self.consumers.append(consumer)
+        self.selector.register(consumer.pidfd, selectors.EVENT_READ, Event("consumer", consumer))
 
     def handle(self, event: Event) -> None:
         if event.kind == "listen":
@@ -333,11 +327,10 @@ class Views:
                        cgroup=consumer.container, pid=consumer.pid, duration_ms=took,
                        **({} if outcome is None else {"reason": str(outcome)}))
             return
-        if outcome is None:
-            self.consumers.append(consumer)
-            self.selector.register(consumer.pidfd, selectors.EVENT_READ,
-                                   Event("consumer", consumer))
-        else:
+        if outcome is None and not any(c.pid == consumer.pid for c in self.consumers):
+            self._watch(consumer)
+            self.records.save(consumer)
+        else:  # refused, or failed, or this process is recorded already
             consumer.close()
         self.answer(work, outcome, False)
 
@@ -348,6 +341,7 @@ class Views:
             self.selector.unregister(consumer.pidfd)
         if consumer in self.consumers:
             self.consumers.remove(consumer)
+        self.records.forget(consumer)
         if not any(b.consumer is consumer for b in (*self.running, *self.queued)):
             consumer.close()
         logs.event(self.log, "broker.lxcfs_consumer_gone", cgroup=consumer.container,

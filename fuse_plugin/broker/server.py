@@ -162,7 +162,8 @@ class Broker:
             self._listen()
             self.views = lxcfs.Views(
                 self._selector, tool=self.helper.parent / lxcfs.TOOL_NAME,
-                directory=settings.lxcfs_dir, mark=self._mark, log=self.log,
+                directory=settings.lxcfs_dir, state=settings.state / "lxcfs",
+                mark=self._mark, log=self.log,
                 answer=self._answer_lxcfs)
             self.views.start()
         except OSError as err:

@@ -226,3 +226,27 @@ def test_the_request_binds_nothing_else_anywhere_else(
     assert answer["status"] == "error", answer
     assert "not given broker mode" in answer["message"], answer
     assert memtotal_kb(outsider.exec("cat", "/proc/meminfo").check().stdout) == host_kb
+
+
+def test_a_restarted_broker_still_heals_its_consumers(
+        broker_allocation: api.ContainerAllocateResponse, views_broker: BrokerProcess,
+        node_lxcfs: LxcfsInstance, runc: oci.Runc) -> None:
+    """The consumers' records outlive the broker (its state directory): after a broker
+    restart, the next lxcfs restart heals the consumer recorded by the old broker."""
+    container = runc.create(oci.build_spec(consumer(broker_allocation, WRAPPED)),
+                            "lxcfs-kept").start()
+    wait_for(lambda: bound(views_broker, 1), 20, "the broker to bind the views")
+    views_broker.stop()
+    views_broker.start()
+    loaded = views_broker.events("broker.lxcfs_consumers_loaded")
+    assert loaded, views_broker.log()
+    assert loaded[-1]["count"] == 1
+    wait_for(lambda: len(views_broker.events("broker.lxcfs_serving")) >= 2, 20,
+             "lxcfs to announce itself to the new broker", detail=views_broker.log)
+    node_lxcfs.kill_lxcfs()
+    assert "Transport endpoint is not connected" in container.exec(
+        "cat", "/proc/meminfo").stderr
+    node_lxcfs.start()
+    wait_for(lambda: views_broker.events("broker.lxcfs_healed"), 20,
+             "the new broker to heal the old broker's consumer", detail=views_broker.log)
+    assert memtotal_kb(container.exec("cat", "/proc/meminfo").check().stdout) == LIMIT // 1024
