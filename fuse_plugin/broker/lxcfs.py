@@ -330,6 +330,9 @@ class Views:
         if outcome is None and not any(c.pid == consumer.pid for c in self.consumers):
             self._watch(consumer)
             self.records.save(consumer)
+            if bind.instance is not self.instance and self.instance is not None:
+                # A new lxcfs announced itself while this bind ran: its heal missed it.
+                self._queue(Bind(consumer, self.instance, None))
         else:  # refused, or failed, or this process is recorded already
             consumer.close()
         self.answer(work, outcome, False)
