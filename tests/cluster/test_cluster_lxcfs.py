@@ -124,6 +124,20 @@ def resumed_after(kubectl: Kubectl, namespace: str, since: float
     return after[0] if failed and after else None
 
 
+def diagnosis(kubectl: Kubectl, api: Api, namespace: str) -> str:
+    """What a failure message needs: the consumer (its log is the shim's stderr), its
+    reads, the lxcfs pods' logs and the broker's lxcfs lines."""
+    out = [pod_summary(p) for p in api.pods(namespace)]
+    out += ["consumer log:", pod_log(kubectl, namespace, "views")[-2000:],
+            "reads:", exec_in(kubectl, namespace, "views", f"tail -3 {READS}")]
+    for p in api.pods(PLUGIN_NS, LXCFS_SELECTOR):
+        out += [pod_summary(p), pod_log(kubectl, PLUGIN_NS, p["metadata"]["name"])[-3000:]]
+    for p in api.pods(PLUGIN_NS, "app.kubernetes.io/component=mount-broker"):
+        out += [line for line in pod_log(kubectl, PLUGIN_NS, p["metadata"]["name"])
+                .splitlines() if "lxcfs" in line][-20:]
+    return "\n".join(out)
+
+
 def restarts(api: Api, namespace: str) -> int:
     [pod] = [p for p in api.pods(namespace) if p["metadata"]["name"] == "views"]
     return int(pod["status"]["containerStatuses"][0]["restartCount"])
@@ -160,7 +174,8 @@ def consumers(cluster: Cluster, kubectl: Kubectl, api: Api, views_overlay: Path,
         for namespace in CONSUMERS:
             pods[namespace] = wait_pod(api, namespace, "views", pod_ready, "Ready")
             wait_for(lambda ns=namespace: any(r[2] for r in reads(kubectl, ns)),  # type: ignore[misc]
-                     60, f"{namespace}: a first read")
+                     120, f"{namespace}: a first read",
+                     detail=lambda ns=namespace: diagnosis(kubectl, api, ns))  # type: ignore[misc]
         yield pods
     finally:
         for namespace in CONSUMERS:
@@ -238,7 +253,7 @@ def test_reads_resume_when_lxcfs_restarts(
         resumed[namespace] = wait_for(
             lambda ns=namespace: resumed_after(kubectl, ns, started),  # type: ignore[misc]
             90, f"{namespace}: reads to resume after {how}",
-            detail=lambda ns=namespace: "\n".join(map(str, reads(kubectl, ns)[-5:])))  # type: ignore[misc]
+            detail=lambda ns=namespace: diagnosis(kubectl, api, ns))  # type: ignore[misc]
     after = {ns: restarts(api, ns) for ns in consumers}
     rows = {ns: [r for r in reads(kubectl, ns) if r[1] >= started] for ns in consumers}
     proof = evidence(
