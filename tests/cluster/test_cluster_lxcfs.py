@@ -161,7 +161,13 @@ def consumers(cluster: Cluster, kubectl: Kubectl, api: Api, views_overlay: Path,
               images: dict[str, str]) -> Iterator[dict[str, dict[str, Any]]]:
     kubectl(*APPLY, "-k", str(views_overlay))
     for ds in (BROKER_DS, PLUGIN_DS, INSTALLER_DS, LXCFS_DS):
-        rollout(kubectl, ds)
+        try:
+            rollout(kubectl, ds)
+        except AssertionError as err:  # say why: the pods and their last lines
+            pods = api.pods(PLUGIN_NS)
+            raise AssertionError("\n".join([str(err), *(
+                f"{pod_summary(p)}\n{pod_log(kubectl, PLUGIN_NS, p['metadata']['name'])[-1500:]}"
+                for p in pods)])) from None
     wait_allocatable(api, DEFAULT_SLOTS)
     pods = {}
     try:
