@@ -164,10 +164,9 @@ def consumers(cluster: Cluster, kubectl: Kubectl, api: Api, views_overlay: Path,
         try:
             rollout(kubectl, ds)
         except AssertionError as err:  # say why: the pods and their last lines
-            pods = api.pods(PLUGIN_NS)
             raise AssertionError("\n".join([str(err), *(
                 f"{pod_summary(p)}\n{pod_log(kubectl, PLUGIN_NS, p['metadata']['name'])[-1500:]}"
-                for p in pods)])) from None
+                for p in api.pods(PLUGIN_NS))])) from None
     wait_allocatable(api, DEFAULT_SLOTS)
     pods = {}
     try:
