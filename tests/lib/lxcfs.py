@@ -1,8 +1,10 @@
 """The node's lxcfs for LXCFS views through the broker, as its DaemonSet runs it: the real
 ``fuse-device-plugin lxcfs`` command (which runs the real lxcfs) in a mount namespace of
 its own, with a tmpfs over /run and over the mount point, as a container's fresh
-namespace would have. The host sees none of its mounts; killing it leaves nothing on the
-host, so a test can restart it as the kubelet restarts a container.
+namespace would have, and only the capabilities the DaemonSet adds (read from
+``manifests/broker/lxcfs-daemonset.yaml``: a capability it lacks fails here too). The
+host sees none of its mounts; killing it leaves nothing on the host, so a test can
+restart it as the kubelet restarts a container.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from fuse_plugin.broker import lxcfs
 from tests.lib.broker import events_in
 from tests.lib.servers import stop_process
 from tests.lib.waiting import wait_for
 
+DAEMONSET = Path(__file__).resolve().parents[2] / "manifests" / "broker" / "lxcfs-daemonset.yaml"
 MEMTOTAL = re.compile(r"^MemTotal:\s+(\d+) kB$", re.MULTILINE)
 
 
@@ -40,6 +45,7 @@ class LxcfsInstance:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "lxcfs",
+                 "setpriv", f"--bounding-set=-all,{daemonset_capabilities()}", "--",
                  sys.executable, "-m", "fuse_plugin", "lxcfs", "--lxcfs-dir",
                  str(self.lxcfs_dir), "--log-format", "json"],
                 stdout=log, stderr=subprocess.STDOUT)
@@ -71,6 +77,16 @@ class LxcfsInstance:
 
     def stop(self) -> None:
         stop_process(self.proc)
+
+
+def daemonset_capabilities() -> str:
+    """The DaemonSet's added capabilities as setpriv names them (+sys_admin,...)."""
+    for doc in yaml.safe_load_all(DAEMONSET.read_text()):
+        if doc and doc.get("kind") == "DaemonSet":
+            [container] = doc["spec"]["template"]["spec"]["containers"]
+            return ",".join(f"+{c.lower()}" for c in container["securityContext"]
+                            ["capabilities"]["add"])
+    raise AssertionError(f"no DaemonSet in {DAEMONSET}")
 
 
 def memtotal_kb(text: str) -> int:

@@ -166,7 +166,7 @@ def test_lxcfs_has_exactly_the_privileges_its_header_justifies() -> None:
     assert context["readOnlyRootFilesystem"] is True
     assert context["capabilities"]["drop"] == ["ALL"]
     added = context["capabilities"]["add"]
-    assert sorted(added) == ["SYS_ADMIN", "SYS_CHROOT", "SYS_PTRACE"]
+    assert sorted(added) == ["DAC_READ_SEARCH", "SYS_ADMIN", "SYS_CHROOT", "SYS_PTRACE"]
     for privilege in ("hostPID", *added, "github.com/fuse", "lxcfs-socket"):
         assert privilege in header, f"the header does not justify {privilege}"
     assert container["resources"]["limits"]["github.com/fuse"] == 1
