@@ -78,8 +78,10 @@ def consumer_pod(namespace: str, image: str) -> dict[str, Any]:
                 "name": "work", "image": image, "imagePullPolicy": "IfNotPresent",
                 "command": ["fusermount3", "--lxcfs", "--", "sh", "-c", READER],
                 "securityContext": context,
+                # Requests below the limits: two pods fit a 2-CPU node beside ours.
                 "resources": {"limits": {RESOURCE: 1, "cpu": "1",
-                                         "memory": f"{LIMIT_MI}Mi"}},
+                                         "memory": f"{LIMIT_MI}Mi"},
+                              "requests": {"cpu": "100m", "memory": "32Mi"}},
             }],
         },
     }
