@@ -40,8 +40,10 @@ ENV PYTHONUNBUFFERED=1 \
 # never runs it (and has no capability that would let it load anything).
 # The broker builds FUSE mounts with the kernel's mount API (its helper below), so no
 # fusermount3 is installed.
+# lxcfs: the `lxcfs` command's LXCFS views for broker mode (its own DaemonSet runs it;
+# Debian's package brings libfuse3, not fusermount3).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends apparmor \
+    && apt-get install -y --no-install-recommends apparmor lxcfs \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=builder /native/ /usr/local/libexec/fuse-device-plugin/
 # The one wheel the builder made, whatever pyproject.toml's version names it.

@@ -37,6 +37,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                          "reload them when it changes"),
     "broker": ("fuse_plugin.broker.command",
                "run the node's FUSE mount broker (broker mode, docs/broker.md)"),
+    "lxcfs": ("fuse_plugin.broker.lxcfs_daemon",
+              "run the node's lxcfs for LXCFS views through the broker (docs/broker.md)"),
     "dra": ("fuse_plugin.dra.command",
             "run the DRA driver on this node: /dev/fuse through ResourceClaims "
             "(docs/dra.md)"),

@@ -22,7 +22,7 @@ __all__ = ["add_flags", "run"]
 
 def run(args: argparse.Namespace) -> int:
     settings = BrokerSettings(
-        directory=args.dir, state=args.state_dir, shim=args.shim,
+        directory=args.dir, state=args.state_dir, shim=args.shim, lxcfs_dir=args.lxcfs_dir,
         max_mounts=args.max_mounts, max_mounts_node=args.max_mounts_node,
         max_mounts_pod=args.max_mounts_pod, max_pods=args.max_pods,
         allow_other=args.allow_other, metrics_port=args.metrics_port,

@@ -47,6 +47,7 @@ from fuse_plugin.broker import (
     budget,
     cgroups,
     frames,
+    lxcfs,
     mountinfo,
     node,
     policy,
@@ -133,6 +134,7 @@ class Broker:
         self._running: dict[str, Conversation] = {}  # by container: its helper is at work
         self._stuck: list[_Gone] = []  # released (killed) helpers not exited yet
         self._budget = budget.LogBudget()  # lines per tenant and kind of refusal
+        self.views: lxcfs.Views | None = None  # LXCFS views (lxcfs.py), from start
 
     # -- start and stop ------------------------------------------------------------------
 
@@ -161,6 +163,12 @@ class Broker:
             shim = node.install_shim(settings.directory, settings.shim.read_bytes())
             self._mark = mountinfo.mark_of(settings.directory)
             self._listen()
+            self.views = lxcfs.Views(
+                self._selector, tool=self.helper.parent / lxcfs.TOOL_NAME,
+                directory=settings.lxcfs_dir, state=settings.state / "lxcfs",
+                mark=self._mark, log=self.log,
+                answer=self._answer_lxcfs)
+            self.views.start()
         except OSError as err:
             raise Failure(f"cannot serve in {settings.directory}: {err.strerror or err}") \
                 from None
@@ -270,6 +278,8 @@ class Broker:
             self._fail(work, HelperFailed("the broker is stopping"))
         for gone in self._stuck:
             gone.job.close()
+        if self.views is not None:
+            self.views.close()
         if self._signals_wake and threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(-1)
         self._selector.close()
@@ -328,7 +338,7 @@ class Broker:
         soonest = [w.deadline for w in itertools.islice(self._waiting.values(), 1)]
         soonest += [w.job.deadline for w in itertools.islice(self._running.values(), 1)
                     if w.job is not None]
-        return soonest
+        return soonest + (self.views.soonest() if self.views is not None else [])
 
     def _dispatch(self, data: object) -> None:
         if data == "listen":
@@ -340,6 +350,8 @@ class Broker:
             self._receive(data)
         elif isinstance(data, _Gone):
             self._gone(data)
+        elif isinstance(data, lxcfs.Event) and self.views is not None:
+            self.views.handle(data)
         elif isinstance(data, tuple):
             kind, work = data
             (self._hear if kind == "ctl" else self._exited)(work)
@@ -459,6 +471,9 @@ class Broker:
         self._unwait(work)
         if not data:
             self._drop(work)
+            return
+        if self.views is not None and lxcfs.asks(data):
+            self.views.request(work, data)
             return
         try:
             work.prepare(data, self.admission)
@@ -684,6 +699,8 @@ class Broker:
                                           "way may not be answering)"))
             self._release(work)
         self._reap_stuck(now)
+        if self.views is not None:
+            self.views.expire(now)
         self._summarise(now)
         if now - self._pruned >= PRUNE_EVERY:
             self._pruned = now
@@ -722,9 +739,10 @@ class Broker:
     # -- answers -------------------------------------------------------------------------
 
     def _refuse(self, work: Conversation, refused: policy.Refused,
-                retry: bool = False) -> None:
+                retry: bool = False, later: bool = False) -> None:
         """``retry``: nothing of the request was done and the broker is going away; the
-        shim asks the next one (protocol.RETRY_FIELD)."""
+        shim asks the next one (protocol.RETRY_FIELD). ``later``: no lxcfs serves yet;
+        the shim asks again within its wait (lxcfs.LATER_FIELD)."""
         work.fields.update(reason=str(refused), kind=refused.kind)
         if retry:
             work.fields["retry"] = True
@@ -732,7 +750,22 @@ class Broker:
         if self._budget.admit(work.container, refused.kind, str(refused), time.monotonic()):
             self._log(work, "broker.refused", logging.WARNING)
         self._reply(work, status="error", message=f"broker refused: {refused}",
-                    **({protocol.RETRY_FIELD: 1} if retry else {}))
+                    **({protocol.RETRY_FIELD: 1} if retry else {}),
+                    **({lxcfs.LATER_FIELD: 1} if later else {}))
+
+    def _answer_lxcfs(self, work: Conversation, outcome: policy.Refused | str | None,
+                      later: bool) -> None:
+        """How an lxcfs request (lxcfs.Views) ended: bound, refused or failed."""
+        if outcome is None:
+            self.stats.served(lxcfs.OP)
+            self._log(work, "broker.lxcfs", logging.INFO)
+            self._reply(work, status="ok")
+        elif isinstance(outcome, policy.Refused):
+            if isinstance(outcome, policy.OutOfResources):
+                self._pause(outcome.error)
+            self._refuse(work, outcome, later=later)
+        else:
+            self._fail(work, HelperFailed(outcome))
 
     def _fail(self, work: Conversation, failed: HelperFailed) -> None:
         work.fields["reason"] = str(failed)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from fuse_plugin import args as flags
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
+from fuse_plugin.broker.lxcfs import DEFAULT_DIR as DEFAULT_LXCFS_DIR
 from fuse_plugin.broker.shares import DEFAULT_MAX_PODS, NodeCaps
 
 DEFAULT_DIR = Path("/var/lib/fuse-device-plugin/broker")
@@ -22,6 +23,7 @@ class BrokerSettings:
     directory: Path = DEFAULT_DIR
     state: Path = DEFAULT_STATE
     shim: Path = DEFAULT_SHIM
+    lxcfs_dir: Path = DEFAULT_LXCFS_DIR
     max_mounts: int = DEFAULT_MAX_MOUNTS
     max_mounts_node: int | None = None  # None: --max-mounts-pod x --max-pods
     max_mounts_pod: int = DEFAULT_MAX_MOUNTS_POD
@@ -48,6 +50,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shim", type=flags.absolute_path, default=DEFAULT_SHIM,
                         help=f"the built fusermount3 shim to install there; {HELPER_NAME} "
                              f"must be beside it (default: {DEFAULT_SHIM})")
+    parser.add_argument("--lxcfs-dir", type=flags.absolute_path, default=DEFAULT_LXCFS_DIR,
+                        help="host directory for the socket the node's lxcfs announces "
+                             "itself on (LXCFS views); bound into the broker and lxcfs pods "
+                             f"only, never into a tenant's (default: {DEFAULT_LXCFS_DIR})")
     parser.add_argument("--max-mounts", type=flags.count(1, 10_000), default=DEFAULT_MAX_MOUNTS,
                         help="FUSE mounts the broker makes for one container that the "
                              f"kernel may hold at once (default: {DEFAULT_MAX_MOUNTS})")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from fuse_plugin.broker import policy
 from fuse_plugin.stats import Counters
 
-OPERATIONS = ("mount", "unmount")
+OPERATIONS = ("mount", "unmount", "lxcfs")  # lxcfs: views bound (lxcfs.py)
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,8 @@ ERRORS: tuple[KnownError, ...] = (
                   "the error comes from /proc files in application pods, e.g. "
                   "`top: failed /proc/stat open`",
                   "restart the affected pods once lxcfs is back; see the lxcfs preset's "
-                  "node-restart failure mode in docs/profiles.md"),
+                  "node-restart failure mode in docs/profiles.md; in broker mode, LXCFS "
+                  "views heal this themselves (docs/broker.md#lxcfs-views)"),
         )),
     KnownError(
         key="allow-other",

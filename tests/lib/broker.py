@@ -87,15 +87,7 @@ class BrokerProcess:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
-        found = []
-        for line in self.log().splitlines():
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if name is None or event.get("event") == name:
-                found.append(event)
-        return found
+        return events_in(self.log(), name)
 
     def kill(self) -> None:
         assert self.proc is not None
@@ -109,6 +101,19 @@ class BrokerProcess:
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
+
+
+def events_in(log: str, name: str | None = None) -> list[dict[str, Any]]:
+    """The JSON log lines (``--log-format json``) of one event, or all of them."""
+    found = []
+    for line in log.splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if name is None or event.get("event") == name:
+            found.append(event)
+    return found
 
 
 def allocation(workdir: Path, broker_dir: Path) -> api.ContainerAllocateResponse:

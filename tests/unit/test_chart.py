@@ -154,6 +154,8 @@ def test_every_mode_has_its_objects(builds: dict[Any, list[Doc]]) -> None:
                     "fuse-dra-driver" if variant.dra else "fuse-device-plugin"}
         if variant.mode == "broker":
             expected.add("fuse-mount-broker")
+        if variant.mode == "broker" and not variant.dra:  # its /dev/fuse: github.com/fuse
+            expected.add("fuse-lxcfs")
         assert daemonsets == sorted(expected), variant.name
         plugin = [d for d in docs if d["metadata"]["name"] == "fuse-device-plugin"
                   and d["kind"] == "DaemonSet"]

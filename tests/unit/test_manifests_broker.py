@@ -18,7 +18,7 @@ import yaml
 
 from fuse_plugin import cli
 from fuse_plugin.args import env_name, optional_path
-from fuse_plugin.broker import protocol, settings
+from fuse_plugin.broker import lxcfs, protocol, settings
 from tests.lib.dockerfile import BUILDER, RUNTIME
 from tests.lib.manifests import (
     COMPLETE_RESTRICTED,
@@ -42,6 +42,8 @@ PATCH = one(BROKER / "plugin-broker-mode.yaml", "DaemonSet")
 BROKER_DIR = "/var/lib/fuse-device-plugin/broker"
 STATE_DIR = "/run/fuse-device-plugin/broker"
 CGROUP_DIR = "/sys/fs/cgroup"  # the node's, writable: helpers run in callers' cgroups
+LXCFS_DIR = "/run/fuse-device-plugin/lxcfs"
+LXCFS = one(BROKER / "lxcfs-daemonset.yaml", "DaemonSet")
 
 def built_with_component(tmp_path: Path, how: str) -> list[Doc]:
     """manifests/ with the component: from a kustomization of one's own ("outside"), or
@@ -84,7 +86,7 @@ def test_component_builds_onto_manifests_and_validates(tmp_path: Path, how: str)
             kubernetes_validate.validate(doc, version, strict=True)
     daemonsets = {d["metadata"]["name"]: d for d in objects if d["kind"] == "DaemonSet"}
     assert set(daemonsets) == {"fuse-device-plugin", "fuse-profile-installer",
-                               "fuse-mount-broker"}
+                               "fuse-mount-broker", "fuse-lxcfs"}
     broker = daemonsets["fuse-mount-broker"]
     assert broker["metadata"]["namespace"] == "fuse-device-plugin"
     # The plugin, as built: its args and env make a serve in broker mode on the
@@ -134,7 +136,8 @@ def test_broker_has_exactly_the_privileges_its_header_justifies() -> None:
     assert context["seccompProfile"] == {"type": "Unconfined"}
     for privilege in ("hostPID", *(f"CAP_{cap}" for cap in added), "AppArmor Unconfined",
                       "seccomp Unconfined", f"hostPath {BROKER_DIR}",
-                      f"hostPath {STATE_DIR}", f"hostPath {CGROUP_DIR}"):
+                      f"hostPath {STATE_DIR}", f"hostPath {CGROUP_DIR}",
+                      f"hostPath {LXCFS_DIR}"):
         assert privilege in header, f"the header does not justify {privilege}"
     # A caller brings its own /dev/fuse: the broker asks for no slot, so it never waits
     # on the plugin's Allocate, nor gets the shim bound over its own files.
@@ -142,14 +145,45 @@ def test_broker_has_exactly_the_privileges_its_header_justifies() -> None:
     assert host_paths(DAEMONSET) == {
         BROKER_DIR: {"path": BROKER_DIR, "type": "DirectoryOrCreate"},
         STATE_DIR: {"path": STATE_DIR, "type": "DirectoryOrCreate"},
-        CGROUP_DIR: {"path": CGROUP_DIR, "type": "Directory"}}
+        CGROUP_DIR: {"path": CGROUP_DIR, "type": "Directory"},
+        LXCFS_DIR: {"path": LXCFS_DIR, "type": "DirectoryOrCreate"}}
     assert not any(m.get("readOnly") for m in container["volumeMounts"]
                    if m["mountPath"] == CGROUP_DIR)
     assert sorted(baseline_violations(DAEMONSET)) == sorted([
         "host namespace hostPID", "hostPath volume broker", "hostPath volume state",
-        "hostPath volume cgroup",
+        "hostPath volume cgroup", "hostPath volume lxcfs-socket",
         "broker: adds SYS_ADMIN", "broker: adds SYS_PTRACE", "seccomp Unconfined",
         "AppArmor Unconfined"])
+
+
+def test_lxcfs_has_exactly_the_privileges_its_header_justifies() -> None:
+    """The node's lxcfs: what lxcfs needs, none of the broker's other powers, and the
+    broker's lxcfs socket as its one hostPath (tenants never get it)."""
+    spec = pod_spec(LXCFS)
+    header = (BROKER / "lxcfs-daemonset.yaml").read_text().split("apiVersion:")[0]
+    assert spec["hostPID"] is True
+    assert not spec.get("hostNetwork")
+    assert not spec.get("hostIPC")
+    assert spec["automountServiceAccountToken"] is False
+    [container] = containers(LXCFS)
+    context = container["securityContext"]
+    assert context.get("privileged") is False
+    assert context["readOnlyRootFilesystem"] is True
+    assert context["capabilities"]["drop"] == ["ALL"]
+    added = context["capabilities"]["add"]
+    assert sorted(added) == ["DAC_READ_SEARCH", "SYS_ADMIN", "SYS_CHROOT", "SYS_PTRACE"]
+    for privilege in ("hostPID", *added, "github.com/fuse", "lxcfs-socket"):
+        assert privilege in header, f"the header does not justify {privilege}"
+    assert container["resources"]["limits"]["github.com/fuse"] == 1
+    assert host_paths(LXCFS) == {LXCFS_DIR: {"path": LXCFS_DIR, "type": "DirectoryOrCreate"}}
+    args = cli.build_parser(container["args"]).parse_args(container["args"])
+    assert args.command == "lxcfs"
+    assert str(args.lxcfs_dir) == LXCFS_DIR
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounts[lxcfs.MOUNTPOINT] == "lxcfs"  # an emptyDir: fresh in every container
+    assert {v["name"]: v for v in spec["volumes"]}["lxcfs"] == {"name": "lxcfs",
+                                                                 "emptyDir": {}}
+    assert "mountPropagation" not in str(container)  # the mount never reaches the host
 
 
 def test_broker_args_match_the_cli_and_the_plugin_patch() -> None:
@@ -160,7 +194,8 @@ def test_broker_args_match_the_cli_and_the_plugin_patch() -> None:
     [patched] = containers(PATCH)
     assert patched["env"] == [{"name": "FUSE_DEVICE_PLUGIN_BROKER_DIR", "value": BROKER_DIR}]
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
-    assert {BROKER_DIR, str(args.state_dir), CGROUP_DIR} == mounts
+    assert {BROKER_DIR, str(args.state_dir), CGROUP_DIR, str(args.lxcfs_dir)} == mounts
+    assert str(args.lxcfs_dir) == LXCFS_DIR
     assert str(args.state_dir) == STATE_DIR
     assert args.shim == settings.DEFAULT_SHIM
     # The probes read the port the broker serves.

@@ -8,6 +8,7 @@
  *     fusermount3 [-o OPTIONS] [--] MOUNTPOINT        with _FUSE_COMMFD=N
  *     fusermount3 [-o OPTIONS] [--] MOUNTPOINT        with _FUSE_DEVFD=N (glusterfs)
  *     fusermount3 -u [-q] [-z] [--] MOUNTPOINT
+ *     fusermount3 --lxcfs -- COMMAND [ARG...]       (LXCFS views: ours, not fusermount3's)
  *
  * Instead of mounting, it opens /dev/fuse itself (which only a container that Allocate
  * gave the device can do), asks the node's broker over a unix socket to mount it, naming
@@ -49,6 +50,9 @@
 #define PROTOCOL_VERSION "2"
 /* In a reply: "1" when a stopping broker did nothing of the request (ask the next one). */
 #define RETRY_FIELD "retry"
+/* In a refusal of --lxcfs: "1" when no lxcfs serves yet (asked again within the wait). */
+#define LATER_FIELD "later"
+#define LATER_PAUSE_MS 500
 #define FUSE_DEVICE "/dev/fuse"
 #define MAX_MESSAGE 16384
 #define REPLY_TIMEOUT_SECONDS 60
@@ -330,6 +334,48 @@ static void request(const char *op, const char *path, const char *options, int f
 		fail("%s", message ? message : "the FUSE mount broker gave no answer");
 }
 
+/*
+ * LXCFS views (fuse_plugin/broker/lxcfs.py): the broker binds the node's lxcfs files over
+ * this container's /proc files (a fixed list; the request names nothing), records this
+ * process, and binds them again whenever lxcfs restarts, for as long as this process
+ * lives: so it becomes COMMAND (exec), and the workload is what the broker watches. No
+ * lxcfs yet (the refusal says later=1): asked again within the wait, then COMMAND is
+ * not run.
+ */
+_Noreturn static void lxcfs_views(char *const command[])
+{
+	char buf[64], reply[MAX_MESSAGE];
+	size_t len, reply_len;
+	long seconds = wait_seconds();
+	long long deadline = now_ms() + seconds * 1000;
+	const char *status, *message, *later;
+	int said = 0;
+
+	if (!command[0])
+		fail("--lxcfs needs the command to run: %s --lxcfs -- COMMAND [ARG...]", progname);
+	for (;;) {
+		len = 0;
+		add_field(buf, &len, "v", PROTOCOL_VERSION);
+		add_field(buf, &len, "op", "lxcfs");
+		ask_broker(buf, len, reply, &reply_len);
+		status = field(reply, reply_len, "status");
+		if (status && strcmp(status, "ok") == 0)
+			break;
+		message = field(reply, reply_len, "message");
+		later = field(reply, reply_len, LATER_FIELD);
+		if (!later || strcmp(later, "1") != 0 || now_ms() >= deadline)
+			fail("%s", message ? message : "the FUSE mount broker gave no answer");
+		if (!said && !quiet)
+			fprintf(stderr, "%s: %s; waiting up to %ld s for it\n", progname, message,
+				seconds);
+		said = 1;
+		sleep_ms(deadline - now_ms() < LATER_PAUSE_MS ? deadline - now_ms()
+							       : LATER_PAUSE_MS);
+	}
+	execvp(command[0], command);
+	fail("cannot run %s: %s", command[0], strerror(errno));
+}
+
 /* As fusermount3 does: one byte of payload, the fd in SCM_RIGHTS. */
 static void send_fd(int sock, int fd)
 {
@@ -419,6 +465,7 @@ static void usage(void)
 	       " -u                unmount\n"
 	       " -q                quiet\n"
 	       " -z                lazy unmount\n"
+	       " --lxcfs -- CMD    LXCFS views over this container's /proc, then run CMD\n"
 	       "Mounts are made by the node's FUSE mount broker (fuse-device-plugin).\n",
 	       progname);
 	exit(1);
@@ -432,12 +479,13 @@ int main(int argc, char *argv[])
 		{ "quiet", no_argument, NULL, 'q' },
 		{ "help", no_argument, NULL, 'h' },
 		{ "version", no_argument, NULL, 'V' },
+		{ "lxcfs", no_argument, NULL, 'L' },
 		{ NULL, 0, NULL, 0 },
 	};
 	char path[PATH_MAX], reply[MAX_MESSAGE], options[MAX_MESSAGE] = "";
 	const char *commfd_text, *devfd_text, *mount_id;
 	size_t reply_len;
-	int ch, unmount = 0, lazy = 0, automatic, commfd, fd;
+	int ch, unmount = 0, lazy = 0, automatic, commfd, fd, views = 0;
 
 	if (argc > 0 && argv[0][0])
 		progname = strrchr(argv[0], '/') ? strrchr(argv[0], '/') + 1 : argv[0];
@@ -463,10 +511,17 @@ int main(int argc, char *argv[])
 		case 'q':
 			quiet = 1;
 			break;
+		case 'L':
+			views = 1;
+			break;
 		default:
 			return 1;
 		}
 	}
+	if (views && (unmount || lazy || options[0]))
+		fail("--lxcfs takes no other option");
+	if (views)
+		lxcfs_views(argv + optind);
 	if (lazy && !unmount)
 		fail("-z can only be used with -u");
 	if (optind >= argc)
