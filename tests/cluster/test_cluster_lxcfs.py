@@ -209,7 +209,7 @@ def test_restricted_and_userns_pods_see_their_own_limits(
         stored = pod["spec"]
         lines += [f"{namespace} ({CONSUMERS[namespace]}, hostUsers="
                   f"{stored.get('hostUsers', True)}, restricted violations: "
-                  f"{restricted_violations(pod) or 'none'}):", *out.splitlines()]
+                  f"{restricted_violations({**pod, 'kind': 'Pod'}) or 'none'}):", *out.splitlines()]
         checks.append(out)
     proof = evidence("lxcfs-views", f"node uptime {host_uptime:.0f}s", *lines)
     for out in checks:
@@ -223,7 +223,7 @@ def test_restricted_and_userns_pods_see_their_own_limits(
         assert float(uptime[1]) < host_uptime, proof
         assert "CapEff:\t0000000000000000" in out, proof
         assert out.strip().endswith(str(len(lxcfs.FILES))), proof
-    assert restricted_violations(consumers["lxcfs-restricted"]) == [], proof
+    assert restricted_violations({**consumers["lxcfs-restricted"], "kind": "Pod"}) == [], proof
 
 
 @pytest.mark.parametrize("how", ["rollout-restart", "sigkill", "delete-and-recreate"])
