@@ -26,6 +26,8 @@ PLUGIN_NS = "fuse-device-plugin"
 EXAMPLES_NS = "fuse-examples"
 PLUGIN_DS = "fuse-device-plugin"
 INSTALLER_DS = "fuse-profile-installer"
+BROKER_DS = "fuse-mount-broker"
+LXCFS_DS = "fuse-lxcfs"  # broker mode's node-wide lxcfs (LXCFS views)
 PLUGIN_SELECTOR = "app.kubernetes.io/component=device-plugin"
 INSTALLER_SELECTOR = "app.kubernetes.io/component=profile-installer"
 EVIDENCE = LOGDIR / "evidence.txt"

@@ -38,6 +38,7 @@ from tests.cluster import gpu
 from tests.cluster.cluster import Api, Cluster, Kubectl, pod_ready
 from tests.cluster.kube import (
     APPLY,
+    BROKER_DS,
     DEFAULT_SLOTS,
     INSTALLER_DS,
     MANIFESTS,
@@ -67,7 +68,6 @@ from tests.lib.waiting import Timeout
 
 BROKER = MANIFESTS / "broker"
 BROKER_EXAMPLES = BROKER / "examples"
-BROKER_DS = "fuse-mount-broker"
 BROKER_SELECTOR = "app.kubernetes.io/component=mount-broker"
 LEVEL_LABEL = "pod-security.kubernetes.io/enforce"
 CAP_SYS_ADMIN_BIT = 21

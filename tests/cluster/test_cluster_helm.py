@@ -22,9 +22,11 @@ import yaml
 
 from tests.cluster.cluster import Api, Cluster, Kubectl
 from tests.cluster.kube import (
+    BROKER_DS,
     DEFAULT_SLOTS,
     EXAMPLES_NS,
     INSTALLER_DS,
+    LXCFS_DS,
     PLUGIN_DS,
     PLUGIN_NS,
     REPO,
@@ -39,7 +41,7 @@ from tests.cluster.kube import (
 from tests.cluster.servers import NAMESPACE as SERVERS_NS
 from tests.cluster.servers import Servers
 from tests.cluster.sshfs_example import SSHFS_POD, apply_sshfs_example, delete_sshfs_example
-from tests.cluster.test_cluster_broker import BASELINE, BROKER_DS, wait_example_mounted
+from tests.cluster.test_cluster_broker import BASELINE, wait_example_mounted
 from tests.kubelet.node import wait_for
 
 CHART = REPO / "charts" / "fuse-device-plugin"
@@ -231,7 +233,7 @@ def test_install_upgrade_rollback_uninstall_with_a_pod_reading_throughout(
         f"left in the API: labelled part-of {left}, release records {records}; "
         f"node github.com/fuse (capacity, allocatable) {served}")
     assert installed == sorted([PLUGIN_DS, INSTALLER_DS]), proof
-    assert upgraded == sorted([PLUGIN_DS, INSTALLER_DS, BROKER_DS]), proof
+    assert upgraded == sorted([PLUGIN_DS, INSTALLER_DS, BROKER_DS, LXCFS_DS]), proof
     assert broker_env, proof
     assert "fuse.sshfs" in via_broker, proof
     assert rolled_back == installed, proof

@@ -28,8 +28,10 @@ from fuse_plugin.broker import lxcfs
 from tests.cluster.cluster import Api, Cluster, Kubectl, pod_ready
 from tests.cluster.kube import (
     APPLY,
+    BROKER_DS,
     DEFAULT_SLOTS,
     INSTALLER_DS,
+    LXCFS_DS,
     PLUGIN_DS,
     PLUGIN_NS,
     RESOURCE,
@@ -42,11 +44,10 @@ from tests.cluster.kube import (
     wait_gone,
     wait_pod,
 )
-from tests.cluster.test_cluster_broker import BROKER_DS, edit_add_component, pod_log
+from tests.cluster.test_cluster_broker import edit_add_component, pod_log
 from tests.kubelet.node import wait_for
 from tests.lib.manifests import restricted_violations
 
-LXCFS_DS = "fuse-lxcfs"
 LXCFS_SELECTOR = "app.kubernetes.io/component=lxcfs"
 LIMIT_MI = 256
 READS = "/dev/shm/reads"
