@@ -74,6 +74,8 @@ class BrokerProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, *self.launch, "broker", "--dir", str(self.directory),
                  "--shim", str(self.shim), "--state-dir", str(self.state),
+                 # Its own lxcfs socket, never the node's (an ``extra`` one wins: last).
+                 "--lxcfs-dir", str(self.workdir / "lxcfs"),
                  "--log-format", "json", *self.extra],
                 stdout=log, stderr=subprocess.STDOUT)
         proc = self.proc

@@ -637,7 +637,8 @@ def test_shim_does_not_wait_without_the_socket_directory_or_with_no_wait(
 
 def broker_command(tmp_path: Path, shim: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "fuse_plugin", "broker", "--dir", str(tmp_path / "dir"),
-            "--shim", str(shim), "--state-dir", str(tmp_path / "state"), *extra]
+            "--shim", str(shim), "--state-dir", str(tmp_path / "state"),
+            "--lxcfs-dir", str(tmp_path / "lxcfs"), *extra]
 
 
 def test_a_pip_installed_broker_says_in_one_line_how_to_get_its_programs(
@@ -801,6 +802,7 @@ def test_a_helper_past_its_deadline_is_killed_and_the_caller_told(
         program.chmod(0o755)
     monkeypatch.setattr(server, "HELPER_DEADLINE", 0.3)
     broker = Broker(BrokerSettings(directory=tmp_path / "dir", state=tmp_path / "state",
+                                   lxcfs_dir=tmp_path / "lxcfs",
                                    shim=bin_dir / protocol.SHIM_NAME),
                     logging.getLogger("test"))
     broker.start()
@@ -851,6 +853,7 @@ def test_a_turn_takes_one_new_connection(root: None, shim: Path, tmp_path: Path)
     (bench.broker_chaos: 16 a turn put the neighbours' p99 at 120-130 ms at 100m, one at
     72-87 ms). Five requests queued at once are answered one a turn, in order."""
     broker = Broker(BrokerSettings(directory=tmp_path / "dir", state=tmp_path / "state",
+                                   lxcfs_dir=tmp_path / "lxcfs",
                                    shim=shim), logging.getLogger("test"))
     broker.start()
     clients = []
@@ -879,7 +882,8 @@ def test_liveness_fails_when_the_loop_has_stopped_turning(tmp_path: Path) -> Non
     STUCK_AFTER is stuck, and the kubelet should restart the broker."""
     from fuse_plugin.broker import probes
 
-    broker = Broker(BrokerSettings(directory=tmp_path), logging.getLogger("test"))
+    broker = Broker(BrokerSettings(directory=tmp_path, lxcfs_dir=tmp_path / "lxcfs"),
+                    logging.getLogger("test"))
     assert probes.health(broker)[0] == 200
     broker.turned -= probes.STUCK_AFTER + 1
     code, body, _ = probes.health(broker)
@@ -913,7 +917,8 @@ def test_stop_from_another_thread_wakes_a_waiting_loop(
     the loop went back to waiting: the loop must wake, not sleep out its turn (CI once
     caught a broker that had not exited 10 s after SIGTERM)."""
     monkeypatch.setattr(server, "TURN", 60.0)
-    broker = Broker(BrokerSettings(directory=tmp_path), logging.getLogger("test"))
+    broker = Broker(BrokerSettings(directory=tmp_path, lxcfs_dir=tmp_path / "lxcfs"),
+                    logging.getLogger("test"))
     loop = threading.Thread(target=broker.run, name="broker")
     loop.start()
     waiting = threading.Event()

@@ -203,6 +203,7 @@ class StandInJob:
 def loop(tmp_path: Path, kernel: Kernel, monkeypatch: pytest.MonkeyPatch) -> Iterator[Broker]:
     monkeypatch.setattr(server, "STOP_GRACE", 0.0)  # stop: no turns waiting on stand-ins
     broker = Broker(BrokerSettings(directory=tmp_path / "dir", state=tmp_path / "state",
+                                   lxcfs_dir=tmp_path / "lxcfs",
                                    max_mounts=2), logging.getLogger("test"))
     broker.records.fusectl = kernel.root
     broker.records.load()

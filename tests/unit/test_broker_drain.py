@@ -119,6 +119,7 @@ def broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Broker]:
     log = logging.getLogger("test.drain")
     log.setLevel(logging.INFO)
     loop = Broker(BrokerSettings(directory=tmp_path / "dir", state=tmp_path / "state",
+                                 lxcfs_dir=tmp_path / "lxcfs",
                                  max_mounts=4), log)
     loop.records.fusectl = tmp_path / "connections"
     loop.records.fusectl.mkdir()
@@ -372,7 +373,8 @@ def test_shim_in_a_real_brokers_listen_queue_asks_the_next_broker(
     """The shim connected and sent while the broker was not accepting; the broker stops:
     closing its listener resets the connection, unread, and the shim waits for the next
     broker, which gets the request."""
-    broker = Broker(BrokerSettings(directory=tmp_path / "dir", state=tmp_path / "state"),
+    broker = Broker(BrokerSettings(directory=tmp_path / "dir", state=tmp_path / "state",
+                                   lxcfs_dir=tmp_path / "lxcfs"),
                     logging.getLogger("test.drain"))
     broker.settings.directory.mkdir()
     broker._listen()

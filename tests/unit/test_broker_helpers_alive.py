@@ -52,7 +52,8 @@ def broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Broker:
 
     STARTED.clear()
     monkeypatch.setattr(Job, "start", start)
-    return Broker(BrokerSettings(directory=tmp_path / "dir", state=tmp_path / "state"),
+    return Broker(BrokerSettings(directory=tmp_path / "dir", state=tmp_path / "state",
+                                 lxcfs_dir=tmp_path / "lxcfs"),
                   logging.getLogger("test"))
 
 
