@@ -360,6 +360,10 @@ class Cluster(Node):
                  interval=0.5, detail=lambda: tail(self.logdir / "kube-controller-manager.log"))
 
     # ---- kubelet as a Node
+    def cri_socket(self) -> Path:
+        """The chosen runtime's socket (containerd or CRI-O: runtime.py)."""
+        return Path(runtime.endpoint(self).removeprefix("unix://"))
+
     def kubelet_argv(self) -> list[str]:
         cfg = self.state / "kubelet-config.yaml"
         self.render(HERE / "kubelet-config.yaml.in", cfg, NODE_IP=NODE_IP,

@@ -327,12 +327,16 @@ class Node:
             detail=lambda: tail(self.logdir / "kubelet.log"),
         )
 
+    def cri_socket(self) -> Path:
+        """The socket of the runtime the kubelet talks to (containerd here)."""
+        return self.containerd_sock
+
     def start_kubelet(self) -> None:
         # The kubelet checks the runtime once and exits on "server is not initialized yet":
         # containerd serves its socket before its CRI service has loaded its state, which
         # on a loaded machine, after a run with many pods, takes seconds.
-        wait_for(lambda: cri_ready(self.containerd_sock), 60,
-                 "containerd's CRI service to be initialized",
+        wait_for(lambda: cri_ready(self.cri_socket()), 60,
+                 f"the CRI service on {self.cri_socket()} to be initialized",
                  detail=lambda: tail(self.logdir / "containerd.log"))
         self.manifests.mkdir(parents=True, exist_ok=True)
         for d in [KUBELET_ROOT, DEVICE_PLUGIN_DIR, SECCOMP_ROOT]:
