@@ -298,15 +298,18 @@ SSHFS_DEPLOYMENT = "sshfs-moves"
 TEMPLATE_POD = "sshfs-template"
 
 
-def sshfs_deployment(kubectl: Kubectl, servers: servermod.Servers, images: dict[str, str],
-                     tmp_path: Path) -> dict[str, Any]:
+def sshfs_deployment(kubectl: Kubectl, api: Api, servers: servermod.Servers,
+                     images: dict[str, str], tmp_path: Path) -> dict[str, Any]:
     """manifests/examples/sshfs-pod.yaml filled in as a user would (its Secret applied),
-    its pod as the template of a two-replica Deployment that prefers the second node."""
+    its pod as the template of a two-replica Deployment that prefers the second node. The
+    template pod is gone before this returns: a bare pod left on the second node makes
+    `kubectl drain` refuse."""
     rendered = tmp_path / "rendered"
     apply_sshfs_example(kubectl, servers, images, rendered, name=TEMPLATE_POD)
     pod = json.loads(kubectl("-n", EXAMPLES_NS, "get", "pod", TEMPLATE_POD, "-o", "json"))
     kubectl("-n", EXAMPLES_NS, "delete", "pod", TEMPLATE_POD, "--grace-period=1",
             "--wait=false")
+    wait_gone(api, EXAMPLES_NS, TEMPLATE_POD)
     spec = {k: v for k, v in pod["spec"].items()
             if k not in ("nodeName", "serviceAccountName", "serviceAccount", "tolerations",
                          "schedulerName", "priority", "enableServiceLinks",
@@ -348,7 +351,7 @@ def test_drain_moves_a_fuse_deployment_to_the_other_node_where_it_mounts(
     the pods are evicted, the Deployment's new pods run on the first node and mount, and
     each writes and reads a file through its mount there."""
     kubectl(*APPLY, "-f", "-", stdin=json.dumps(
-        sshfs_deployment(kubectl, servers, images, tmp_path)))
+        sshfs_deployment(kubectl, api, servers, images, tmp_path)))
     try:
         before = mounted_on(kubectl, api, NODE2)
         began = time.monotonic()

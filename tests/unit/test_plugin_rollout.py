@@ -48,6 +48,14 @@ def registered(kubelet: KubeletStandIn, count: int) -> None:
     kubelet.wait_devices(RESOURCE, healthy, DEADLINE)
 
 
+def knows_registered(kubelet: KubeletStandIn, plugin: PluginProcess) -> None:
+    """The kubelet holds the plugin's registration and the plugin has its answer: the
+    kubelet records a Register before its reply reaches the plugin, and only a plugin that
+    knows it is registered hands off."""
+    registered(kubelet, 1)
+    logged(plugin, "registered")
+
+
 def endpoints_are(kubelet: KubeletStandIn, names: list[str]) -> None:
     assert kubelet.wait_for(lambda: kubelet.endpoints(RESOURCE) == names, DEADLINE), \
         f"the kubelet's endpoints: {kubelet.endpoints(RESOURCE)}, expected {names}"
@@ -188,7 +196,7 @@ def test_sigterm_keeps_serving_until_the_successor_registered(
     """A deleted pod is replaced while it terminates: the old plugin keeps its socket and
     its place with the kubelet until the new one says it is registered, then goes."""
     old = start_plugin("--instance", "old", "--handoff-wait", "60", "--log-format", "json")
-    registered(kubelet, 1)
+    knows_registered(kubelet, old)
     with Admissions(kubelet).running() as admissions:
         old.proc.send_signal(signal.SIGTERM)
         logged(old, "handoff.waiting")
@@ -210,7 +218,7 @@ def test_sigterm_keeps_serving_until_the_successor_registered(
 def test_handoff_gives_up_at_its_deadline(kubelet: KubeletStandIn,
                                           start_plugin: StartPlugin) -> None:
     old = start_plugin("--instance", "old", "--handoff-wait", "1", "--log-format", "json")
-    registered(kubelet, 1)
+    knows_registered(kubelet, old)
     old.proc.send_signal(signal.SIGTERM)
     assert old.proc.wait(DEADLINE) == 0
     assert old.events("handoff.timeout")
@@ -220,7 +228,7 @@ def test_handoff_gives_up_at_its_deadline(kubelet: KubeletStandIn,
 def test_a_second_signal_gives_the_handoff_up(kubelet: KubeletStandIn,
                                               start_plugin: StartPlugin) -> None:
     old = start_plugin("--instance", "old", "--handoff-wait", "60", "--log-format", "json")
-    registered(kubelet, 1)
+    knows_registered(kubelet, old)
     old.proc.send_signal(signal.SIGTERM)
     logged(old, "handoff.waiting")
     old.proc.send_signal(signal.SIGINT)
