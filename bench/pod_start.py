@@ -30,7 +30,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,6 +50,7 @@ from tests.cluster.kube import (
 )
 from tests.cluster.test_cluster_dra import DRIVER_DS, driver_overlay
 from tests.kubelet.node import wait_for
+from tests.lib.background import Repeating
 
 RESULTS = Path(__file__).parent / "results" / "pod_start.json"
 SETUP = Path(__file__).resolve().parents[1] / "tests" / "cluster" / "setup.sh"
@@ -121,7 +121,7 @@ def pod_cgroup(uid: str, controller: str) -> Path | None:
     return found[0] if found else None
 
 
-class Usage:
+class Usage(Repeating):
     """CPU time and largest RSS of the component pods, sampled every 200 ms."""
 
     def __init__(self, api: Api) -> None:
@@ -133,8 +133,7 @@ class Usage:
                 self.pods[name] = found[0]["metadata"]["uid"]
         self.cpu0 = {n: self.cpu_ns(u) for n, u in self.pods.items()}
         self.rss = dict.fromkeys(self.pods, 0)
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="usage", daemon=True)
+        super().__init__(0.2, "usage", join_timeout=10)
 
     @staticmethod
     def cpu_ns(uid: str) -> int:
@@ -149,20 +148,10 @@ class Usage:
         stat = dict(line.split() for line in (d / "memory.stat").read_text().splitlines())
         return int(stat.get("total_rss", 0))
 
-    def _run(self) -> None:
-        while not self._done.is_set():
-            for n, u in self.pods.items():
-                with contextlib.suppress(OSError):  # a pod restarting: the next sample
-                    self.rss[n] = max(self.rss[n], self.rss_bytes(u))
-            self._done.wait(0.2)
-
-    def __enter__(self) -> Usage:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self._done.set()
-        self._thread.join(10)
+    def step(self) -> None:
+        for n, u in self.pods.items():
+            with contextlib.suppress(OSError):  # a pod restarting: the next sample
+                self.rss[n] = max(self.rss[n], self.rss_bytes(u))
 
     def figures(self) -> dict[str, dict[str, float]]:
         return {n: {"cpu_s": round((self.cpu_ns(u) - self.cpu0[n]) / 1e9, 3),

@@ -149,6 +149,12 @@ cluster_images() {
         "$REPO/manifests/broker/examples" -f "$REPO/manifests/broker/examples/buildah.Dockerfile")"
     env_lines+=("EXAMPLE_BUILDAH_IMAGE=$ref")
     refs+=("$ref")
+    # The rootless-build preset's image (buildah, podman, runc, busybox-static), unchanged.
+    ref="$(build fuse-example-rootless-build \
+        "$(inputs_key "$bkey" manifests/examples/rootless-build/Dockerfile)" \
+        "$REPO/manifests/examples/rootless-build")"
+    env_lines+=("EXAMPLE_ROOTLESS_BUILD_IMAGE=$ref")
+    refs+=("$ref")
     servers="$(build fdp-cluster-servers \
         "$(inputs_key "$bkey" tests/cluster/servers.Dockerfile)" "$HERE" \
         --build-arg "BASE=$base" -f "$HERE/servers.Dockerfile")"

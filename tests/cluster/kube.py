@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import yaml
 
 from tests.cluster.cluster import LOGDIR, NODE_NAME, Api, Kubectl, pod_ready
 from tests.kubelet.node import wait_for
+from tests.lib.background import Repeating
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "manifests"
@@ -284,37 +284,34 @@ def fuse_pod(name: str, image: str, namespace: str) -> dict[str, Any]:
     }
 
 
-class PodEverySecond:
+class PodEverySecond(Repeating):
     """A pod asking for `github.com/fuse: 1` created every second in ``namespace`` on a
-    thread (through the API, no kubectl process each), each ending at once."""
+    thread (through the API, no kubectl process each), each ending at once: by default
+    once it has seen /dev/fuse; ``make`` (name -> pod) gives pods that do more, such as
+    mount, and end."""
 
-    def __init__(self, api: Api, image: str, namespace: str) -> None:
+    def __init__(self, api: Api, image: str, namespace: str,
+                 make: Callable[[str], dict[str, Any]] | None = None) -> None:
+        super().__init__(1.0, "pods")
         self.api, self.image, self.namespace = api, image, namespace
+        self.make = make or self._sees_the_device
         self.names: list[str] = []
         self.errors: list[str] = []
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pods", daemon=True)
 
-    def _run(self) -> None:
-        while not self._done.is_set():
-            name = f"roll-{len(self.names)}"
-            pod = fuse_pod(name, self.image, self.namespace)
-            pod["spec"]["restartPolicy"] = "Never"
-            pod["spec"]["containers"][0]["command"] = ["/bin/sh", "-c", "test -c /dev/fuse"]
-            try:
-                self.api.request("POST", f"/api/v1/namespaces/{self.namespace}/pods", pod)
-                self.names.append(name)
-            except OSError as err:  # urllib's HTTPError and URLError are OSErrors
-                self.errors.append(f"{name}: {err}")
-            self._done.wait(1.0)
+    def _sees_the_device(self, name: str) -> dict[str, Any]:
+        pod = fuse_pod(name, self.image, self.namespace)
+        pod["spec"]["restartPolicy"] = "Never"
+        pod["spec"]["containers"][0]["command"] = ["/bin/sh", "-c", "test -c /dev/fuse"]
+        return pod
 
-    def __enter__(self) -> PodEverySecond:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self._done.set()
-        self._thread.join(30)
+    def step(self) -> None:
+        name = f"roll-{len(self.names)}"
+        try:
+            self.api.request("POST", f"/api/v1/namespaces/{self.namespace}/pods",
+                             self.make(name))
+            self.names.append(name)
+        except OSError as err:  # urllib's HTTPError and URLError are OSErrors
+            self.errors.append(f"{name}: {err}")
 
     def phases(self) -> dict[str, dict[str, Any]]:
         """Every pod's status once it has ended (Succeeded or Failed)."""

@@ -58,6 +58,7 @@ from tests.cluster.kube import (
     wait_gone,
     wait_mounted,
     wait_ready,
+    without_apparmor,
     write_json,
 )
 from tests.cluster.servers import NAMESPACE as SERVERS_NS
@@ -698,6 +699,79 @@ def test_a_fuse_pod_sees_no_gpu_in_default_mode(
     """Stand-in GPUs on the node: a privileged pod lists them all; a pod that asks
     `github.com/fuse: 1` from the device plugin gets /dev/fuse and nothing else."""
     gpu.prove_isolation(kubectl, api, images["WORKLOAD_IMAGE"], "default")
+
+
+# ---------------------------------------------------------------- 8b. rootless builds
+
+ROOTLESS = EXAMPLES / "rootless-build"
+ROOTLESS_POD = "rootless-build-example"
+# What the built images print (tests/containers/test_rootless_build.py says why): a RUN
+# step's file from the context's file and the first stage's, as uid 0 of the build.
+ROOTLESS_OUTPUT = "hello from the build context built in stage one 0"
+
+
+def test_rootless_build_example_builds_and_runs_as_uid_1000_at_baseline(
+    deployed: dict[str, Any], kubectl: Kubectl, api: Api, images: dict[str, str],
+    tmp_path: Path
+) -> None:
+    """manifests/examples/rootless-build/ applied with `kubectl apply -k` as its header
+    says (after manifests/, whose installer put the preset's seccomp profile on the node;
+    `appArmorProfile` removed, as for every example on this node without AppArmor): its
+    namespace enforces `baseline` and warns for `restricted`; the pod, uid 1000 of a
+    `hostUsers: false` pod with no capability, builds the Containerfile (FROM, COPY, RUN,
+    a second stage) with buildah and with podman, and each built image runs."""
+    ov = tmp_path / "rootless-build"
+    ov.mkdir()
+    for f in ("namespace.yaml", "build-pod.yaml"):
+        (ov / f).write_text((ROOTLESS / f).read_text())
+    name, _, tag = images["EXAMPLE_ROOTLESS_BUILD_IMAGE"].rpartition(":")
+    write_json(ov / "kustomization.yaml", {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": ["namespace.yaml", "build-pod.yaml"],
+        "images": [{"name": "fuse-example-rootless-build", "newName": name, "newTag": tag}],
+        "patches": without_apparmor("rootless-build/build-pod.yaml")})
+    namespace = yaml.safe_load((ROOTLESS / "namespace.yaml").read_text())["metadata"]["name"]
+    applied = kubectl.run(*APPLY, "-k", str(ov))
+    try:
+        def ran() -> str | None:
+            out = kubectl.run("-n", namespace, "logs", ROOTLESS_POD, check=False).stdout
+            return out if "RAN podman:" in out else None
+
+        def failed() -> str:
+            pods = [p for p in api.pods(namespace) if p["metadata"]["name"] == ROOTLESS_POD]
+            return "\n".join(pod_summary(p) for p in pods) + "\n" + kubectl.run(
+                "-n", namespace, "logs", ROOTLESS_POD, check=False).stdout[-3000:]
+
+        out = wait_for(ran, 600, f"{ROOTLESS_POD} to build and run both images", interval=2,
+                       detail=failed)
+        [pod] = [p for p in api.pods(namespace) if p["metadata"]["name"] == ROOTLESS_POD]
+        labels = json.loads(kubectl("get", "namespace", namespace, "-o", "json"))[
+            "metadata"]["labels"]
+        status = exec_in(kubectl, namespace, ROOTLESS_POD,
+                         "id -u; grep -E '^(CapEff|NoNewPrivs|Seccomp):' /proc/self/status; "
+                         "cat /proc/self/uid_map")
+        ran_lines = {tool: next((ln.split(":", 1)[1].strip() for ln in out.splitlines()
+                                 if ln.startswith(f"RAN {tool}:")), None)
+                     for tool in ("buildah", "podman")}
+        warnings = [ln for ln in applied.stderr.splitlines() if "PodSecurity" in ln]
+        proof = evidence(
+            "rootless-build",
+            *(f"namespace {namespace}: {k}={v}" for k, v in sorted(labels.items())
+              if k.startswith("pod-security.kubernetes.io/")),
+            *warnings, pod_summary(pod),
+            f"stored hostUsers={pod['spec'].get('hostUsers')}, securityContext "
+            f"{pod['spec']['containers'][0]['securityContext']}", *status.splitlines(),
+            *(f"RAN {tool}: {got}" for tool, got in ran_lines.items()))
+        assert labels["pod-security.kubernetes.io/enforce"] == "baseline", proof
+        assert any("restricted" in w and "procMount" in w for w in warnings), proof
+        assert pod["spec"].get("hostUsers") is False, proof
+        assert status.split()[0] == "1000", proof
+        assert re.search(r"CapEff:\s+0+\n", status + "\n"), proof
+        assert not status.strip().endswith("0 4294967295"), proof
+        assert ran_lines == {"buildah": ROOTLESS_OUTPUT, "podman": ROOTLESS_OUTPUT}, proof
+    finally:
+        delete_pod(kubectl, api, namespace, ROOTLESS_POD)
+        kubectl("delete", "namespace", namespace, "--ignore-not-found", "--wait=false")
 
 
 # ---------------------------------------------------------------- 9. the runtime's defaults

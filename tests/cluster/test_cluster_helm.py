@@ -1,7 +1,8 @@
 """The Helm chart on the one-machine cluster, as docs/operability.md ("Install, upgrade
 and uninstall with Helm") tells a user: `helm install` in the default mode and a FUSE pod
 (manifests/examples/sshfs-pod.yaml) reading its sshfs mount every 200 ms; `helm upgrade
---reset-then-reuse-values --set mode=broker` with the pod still reading, and a capability-less pod
+--reset-then-reuse-values --set mode=broker` with the pod still reading and a FUSE pod
+created every second throughout (none may be rejected), and a capability-less pod
 mounting through the broker; `helm rollback` to the default mode, the pod still reading;
 `helm uninstall`, after which nothing of ours is left in the API: no object the release
 rendered, none labelled part-of fuse-device-plugin, no release record, and the node
@@ -22,6 +23,7 @@ import yaml
 
 from tests.cluster.cluster import Api, Cluster, Kubectl
 from tests.cluster.kube import (
+    APPLY,
     BROKER_DS,
     DEFAULT_SLOTS,
     EXAMPLES_NS,
@@ -30,6 +32,7 @@ from tests.cluster.kube import (
     PLUGIN_DS,
     PLUGIN_NS,
     REPO,
+    PodEverySecond,
     evidence,
     exec_in,
     fuse_resources,
@@ -50,6 +53,8 @@ RELEASE = "fuse-device-plugin"
 # Where Helm keeps its record of the release (the objects go to namespace.name).
 RELEASE_NS = "default"
 BROKER_ENV = "FUSE_DEVICE_PLUGIN_BROKER_DIR"
+# Where a FUSE pod is created every second through the upgrade to broker mode.
+STREAM_NS = "fdp-e2e-helm-stream"
 # The reader counts in /dev/shm, a tmpfs writable whatever the root filesystem (the
 # example's is readOnlyRootFilesystem).
 READER = ("nohup setsid sh -c 'while :; do if cat /mnt/remote/helm.txt >/dev/null; "
@@ -144,6 +149,27 @@ def exists(kubectl: Kubectl, kind: str, namespace: str, name: str) -> bool:
     return bool(kubectl(*args).strip())
 
 
+def upgrade_with_a_pod_every_second(helm: Helm, kubectl: Kubectl, api: Api, image: str,
+                                    *values: str) -> tuple[PodEverySecond, dict[str, str]]:
+    """`helm upgrade --reset-then-reuse-values` with ``values``, every DaemonSet of the new
+    revision rolled out and the slots back, with a FUSE pod created every second from
+    before the upgrade to after it; returns the stream and the pods that did not
+    `Succeed` (name -> the kubelet's message)."""
+    kubectl(*APPLY, "-f", "-", stdin=json.dumps(
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": STREAM_NS}}))
+    with PodEverySecond(api, image, STREAM_NS) as stream:
+        wait_for(lambda: len(stream.names) >= 3, 30, "three pods before the upgrade")
+        helm("upgrade", RELEASE, str(CHART), "--reset-then-reuse-values", *values)
+        for ds in daemonsets(api):
+            rollout(kubectl, ds)
+        wait_allocatable(api, DEFAULT_SLOTS)
+        after = len(stream.names) + 3
+        wait_for(lambda: len(stream.names) >= after, 30, "three pods after the upgrade")
+    rejected = {n: str(st.get("message", "")) for n, st in stream.phases().items()
+                if st.get("phase") != "Succeeded"}
+    return stream, rejected
+
+
 @pytest.fixture
 def reading_pod(*, helm: Helm, kubectl: Kubectl, api: Api, servers: Servers,
                 images: dict[str, str], tmp_path: Path) -> Iterator[None]:
@@ -167,6 +193,7 @@ def reading_pod(*, helm: Helm, kubectl: Kubectl, api: Api, servers: Servers,
         finally:
             delete_sshfs_example(kubectl, api)
     finally:
+        kubectl("delete", "namespace", STREAM_NS, "--ignore-not-found", "--wait=false")
         if helm("list", "-q", "--filter", f"^{RELEASE}$").strip():
             helm("uninstall", RELEASE, "--wait", "--timeout=3m")
 
@@ -178,11 +205,10 @@ def test_install_upgrade_rollback_uninstall_with_a_pod_reading_throughout(
     installed = daemonsets(api)
     at_install = reads(kubectl)
 
-    # -- to broker mode: the broker's DaemonSet comes, the plugin rolls with its env.
-    helm("upgrade", RELEASE, str(CHART), "--reset-then-reuse-values", "--set=mode=broker")
-    rollout(kubectl, BROKER_DS)
-    rollout(kubectl, PLUGIN_DS)
-    wait_allocatable(api, DEFAULT_SLOTS)
+    # -- to broker mode: the broker's DaemonSet comes, the plugin rolls with its env; a
+    # FUSE pod created every second throughout.
+    stream, rejected = upgrade_with_a_pod_every_second(
+        helm, kubectl, api, images["WORKLOAD_IMAGE"], "--set=mode=broker")
     upgraded = daemonsets(api)
     broker_env = [e for e in plugin_env(api) if e["name"] == BROKER_ENV]
     after_upgrade = more_reads(kubectl, at_install)
@@ -225,6 +251,8 @@ def test_install_upgrade_rollback_uninstall_with_a_pod_reading_throughout(
         f"installed (default mode): DaemonSets {installed}; reader {at_install} (ok, FAIL)",
         f"upgraded to broker mode: DaemonSets {upgraded}, plugin env {broker_env}; "
         f"reader {after_upgrade}; a baseline pod mounted through the broker: {via_broker}",
+        f"{len(stream.names)} FUSE pods created one a second through the upgrade: "
+        f"{len(stream.names) - len(rejected)} Succeeded, rejected: {rejected}", *stream.errors,
         f"rolled back: DaemonSets {rolled_back}, plugin broker env {env_back}; "
         f"reader {after_rollback}; the file still reads {still!r}",
         "history: " + ", ".join(f"{h['revision']} {h['status']} {h['description']}"
@@ -235,6 +263,8 @@ def test_install_upgrade_rollback_uninstall_with_a_pod_reading_throughout(
     assert installed == sorted([PLUGIN_DS, INSTALLER_DS]), proof
     assert upgraded == sorted([PLUGIN_DS, INSTALLER_DS, BROKER_DS, LXCFS_DS]), proof
     assert broker_env, proof
+    assert not stream.errors, proof
+    assert not rejected, proof
     assert "fuse.sshfs" in via_broker, proof
     assert rolled_back == installed, proof
     assert env_back == [], proof

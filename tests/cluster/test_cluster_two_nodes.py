@@ -10,11 +10,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -22,10 +21,12 @@ from tests.cluster import servers as servermod
 from tests.cluster.cluster import NODE_NAME, Api, Cluster, Kubectl, pod_ready
 from tests.cluster.kube import (
     APPLY,
+    BROKER_DS,
     DEFAULT_SLOTS,
     EXAMPLES_NS,
     INSTALLER_DS,
     INSTALLER_SELECTOR,
+    LXCFS_DS,
     PLUGIN_DS,
     PLUGIN_NS,
     PLUGIN_SELECTOR,
@@ -36,6 +37,7 @@ from tests.cluster.kube import (
     evidence,
     exec_in,
     fuse_pod,
+    manifests_overlay,
     plugin_env,
     pod_summary,
     quantity,
@@ -44,9 +46,16 @@ from tests.cluster.kube import (
     wait_mounted,
 )
 from tests.cluster.sshfs_example import apply_sshfs_example, delete_sshfs_example
+from tests.cluster.test_cluster_broker import (
+    BASELINE,
+    BROKER_EXAMPLES,
+    BROKER_SELECTOR,
+    edit_add_component,
+)
 from tests.cluster.test_cluster_dra import DRIVER, DRIVER_DS, DRIVER_SELECTOR, driver_overlay
 from tests.cluster.worker import Worker
 from tests.kubelet.node import DEVICE_PLUGIN_DIR, wait_for
+from tests.lib.background import Repeating
 
 CLUSTER_NODES = 2
 NODE2 = f"{NODE_NAME}2"
@@ -198,29 +207,19 @@ def test_scheduler_fills_one_node_then_places_on_the_other(
         wait_slots(api, DEFAULT_SLOTS)
 
 
-class PluginPodsSampler:
-    """The plugin's live pods on each node, sampled every 200 ms on a thread: how many
-    existed at once, and on how many nodes two did (a node surging)."""
+class PluginPodsSampler(Repeating):
+    """A DaemonSet's live pods on each node (the plugin's unless ``selector`` says),
+    sampled every 200 ms on a thread: how many existed at once, and on how many nodes two
+    did (a node surging)."""
 
-    def __init__(self, api: Api) -> None:
-        self.api = api
+    def __init__(self, api: Api, selector: str = PLUGIN_SELECTOR) -> None:
+        super().__init__(0.2, "sampler")
+        self.api, self.selector = api, selector
         self.samples: list[dict[str, list[str]]] = []
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
 
-    def _run(self) -> None:
-        while not self._done.is_set():
-            with contextlib.suppress(OSError):  # a slow answer: the next sample
-                self.samples.append(pods_by_node(self.api, PLUGIN_NS, PLUGIN_SELECTOR))
-            self._done.wait(0.2)
-
-    def __enter__(self) -> PluginPodsSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self._done.set()
-        self._thread.join(30)
+    def step(self) -> None:
+        with contextlib.suppress(OSError):  # a slow answer: the next sample
+            self.samples.append(pods_by_node(self.api, PLUGIN_NS, self.selector))
 
     def surging_at_once(self) -> int:
         """The most nodes that had two plugin pods in one sample."""
@@ -237,6 +236,29 @@ class PluginPodsSampler:
 ROLL_NS = "fdp-e2e-two-rollout"
 
 
+class Restarted(NamedTuple):
+    status: str  # `kubectl rollout status`'s last line
+    new: dict[str, dict[str, Any]]  # the DaemonSet's Ready pod on each node, after
+    took: float  # seconds from `rollout restart` to a new Ready pod on each node
+    sampler: PluginPodsSampler  # the DaemonSet's pods per node through it
+
+
+def restart_with_pods(kubectl: Kubectl, api: Api, stream: PodEverySecond, ds: str,
+                      selector: str) -> Restarted:
+    """`kubectl rollout restart` of the DaemonSet ``ds`` (pods ``selector``) while
+    ``stream`` creates a pod every second: three before it, through it, three after."""
+    with stream, PluginPodsSampler(api, selector) as sampler:
+        wait_for(lambda: len(stream.names) >= 3, 30, "three pods before the rollout")
+        began = time.monotonic()
+        kubectl("-n", PLUGIN_NS, "rollout", "restart", f"daemonset/{ds}")
+        status = rollout(kubectl, ds)
+        new = one_ready_per_node(api, selector)
+        took = time.monotonic() - began
+        after = len(stream.names) + 3
+        wait_for(lambda: len(stream.names) >= after, 30, "three pods after the rollout")
+    return Restarted(status, new, took, sampler)
+
+
 def test_rollout_goes_node_by_node_and_rejects_no_fuse_pod(
         deployed: dict[str, dict[str, Any]], kubectl: Kubectl, api: Api,
         images: dict[str, str]) -> None:
@@ -248,16 +270,9 @@ def test_rollout_goes_node_by_node_and_rejects_no_fuse_pod(
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ROLL_NS}}))
     old = {n: p["metadata"]["uid"] for n, p in deployed.items()}
     try:
-        with PodEverySecond(api, images["WORKLOAD_IMAGE"], ROLL_NS) as stream, \
-                PluginPodsSampler(api) as sampler:
-            wait_for(lambda: len(stream.names) >= 3, 30, "three pods before the rollout")
-            began = time.monotonic()
-            kubectl("-n", PLUGIN_NS, "rollout", "restart", f"daemonset/{PLUGIN_DS}")
-            status = rollout(kubectl, PLUGIN_DS)
-            new = one_ready_per_node(api, PLUGIN_SELECTOR)
-            took = time.monotonic() - began
-            after = len(stream.names) + 3
-            wait_for(lambda: len(stream.names) >= after, 30, "three pods after the rollout")
+        stream = PodEverySecond(api, images["WORKLOAD_IMAGE"], ROLL_NS)
+        status, new, took, sampler = restart_with_pods(kubectl, api, stream, PLUGIN_DS,
+                                                       PLUGIN_SELECTOR)
         ended = stream.phases()
         line = wait_slots(api, DEFAULT_SLOTS)
         rejected = {n: st.get("message", "") for n, st in ended.items()
@@ -379,6 +394,101 @@ def test_drain_moves_a_fuse_deployment_to_the_other_node_where_it_mounts(
         for p in api.pods(EXAMPLES_NS, f"app={SSHFS_DEPLOYMENT}"):
             wait_gone(api, EXAMPLES_NS, p["metadata"]["name"])
         delete_sshfs_example(kubectl, api, TEMPLATE_POD)
+
+
+BROKER_NS = BASELINE.namespace
+BROKER_KEY = BASELINE.doc("Secret")["metadata"]["name"]
+
+
+@pytest.fixture
+def broker_on_both(cluster: Cluster, kubectl: Kubectl, api: Api, images: dict[str, str],
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Broker mode as the README deploys it (manifests/ with `kustomize edit add component
+    broker`) on both nodes; returns each node's Ready broker pod. Afterwards the broker
+    mode's own DaemonSets are deleted; the next test's `deployed` re-applies default
+    mode."""
+    overlay = manifests_overlay(tmp_path_factory.mktemp("broker-overlay"),
+                                images["PLUGIN_IMAGE"])
+    edit_add_component(overlay, "broker")
+    kubectl(*APPLY, "-k", str(overlay))
+    try:
+        for ds in (BROKER_DS, LXCFS_DS, PLUGIN_DS, INSTALLER_DS):
+            rollout(kubectl, ds)
+        wait_slots(api, DEFAULT_SLOTS)
+        yield one_ready_per_node(api, BROKER_SELECTOR)
+    finally:
+        kubectl("-n", PLUGIN_NS, "delete", "daemonset", BROKER_DS, LXCFS_DS,
+                "--ignore-not-found", "--wait=true", timeout=180)
+
+
+def mounting_pod(servers: servermod.Servers, image: str,
+                 name: str) -> dict[str, Any]:
+    """manifests/broker/examples/sshfs-pod.yaml's pod (baseline, RuntimeDefault, no
+    capability, its one FUSE line) as a pod that mounts, writes and reads a file of its
+    own through the mount, unmounts, and ends: `Succeeded` only if all of that worked."""
+    pod = BASELINE.pod
+    pod["metadata"] = {"name": name, "namespace": BROKER_NS}
+    spec = pod["spec"]
+    spec["restartPolicy"] = "Never"
+    spec["terminationGracePeriodSeconds"] = 1
+    [c] = spec["containers"]
+    c["image"] = image
+    c["env"] = [{"name": "REMOTE", "value": f"root@{servers.sshd_ip}:/srv/data"}]
+    c["args"] = [
+        "set -e\n"
+        'sshfs "$REMOTE" /mnt/remote -o IdentityFile=/etc/sshfs/id_ed25519 '
+        "-o UserKnownHostsFile=/etc/sshfs/known_hosts\n"
+        "echo \"$HOSTNAME\" > /mnt/remote/$HOSTNAME.txt\n"
+        'test "$(cat /mnt/remote/$HOSTNAME.txt)" = "$HOSTNAME"\n'
+        "fusermount3 -u /mnt/remote\n"
+        "echo ROUND-TRIP-OK\n"]
+    return pod
+
+
+def test_broker_rollout_goes_node_by_node_and_fails_no_mount(
+        broker_on_both: dict[str, Any], servers: servermod.Servers, kubectl: Kubectl,
+        api: Api, images: dict[str, str]) -> None:
+    """`kubectl rollout restart` of the broker on two nodes, with a broker-mode pod created
+    every second throughout that mounts sshfs through the shim, writes and reads a file
+    and unmounts: each node's broker is replaced, and every pod, on either node,
+    `Succeeded` (0 mounts failed); the pods that met a restarting broker say so in their
+    logs (the shim's one line), and waited."""
+    kubectl(*APPLY, "-f", str(BROKER_EXAMPLES / BASELINE.namespace_file))
+    kubectl(*APPLY, "-f", "-", stdin=json.dumps({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": BROKER_KEY, "namespace": BROKER_NS},
+        "stringData": {"id_ed25519": servers.client_key,
+                       "known_hosts": f"{servers.sshd_ip} {servers.host_key_pub}\n"}}))
+    old = {n: p["metadata"]["uid"] for n, p in broker_on_both.items()}
+    make = functools.partial(mounting_pod, servers, images["EXAMPLE_SSHFS_IMAGE"])
+    try:
+        stream = PodEverySecond(api, "", BROKER_NS, make)
+        status, new, took, sampler = restart_with_pods(kubectl, api, stream, BROKER_DS,
+                                                       BROKER_SELECTOR)
+        ended = stream.phases()
+        logs = {n: kubectl.run("-n", BROKER_NS, "logs", n, check=False).stdout
+                for n in ended}
+        failed = {n: f"{st.get('phase')} {st.get('message', '')} {logs[n][-300:]}"
+                  for n, st in ended.items()
+                  if st.get("phase") != "Succeeded" or "ROUND-TRIP-OK" not in logs[n]}
+        waited = {n: ln for n, out in logs.items() for ln in out.splitlines()
+                  if "restart" in ln}
+        per_node = {n: sum(st.get("nodeName") == n for st in ended.values()) for n in NODES}
+        proof = evidence(
+            "two-nodes-broker-rollout", status, f"rollout restart took {took:.1f}s",
+            f"broker replacement order {sampler.order()}, samples {len(sampler.samples)}",
+            f"{len(ended)} mounting pods created one a second, per node {per_node}: "
+            f"{len(ended) - len(failed)} mounted, wrote, read and unmounted; failed: "
+            f"{failed}", f"{len(waited)} met a restarting broker and waited: "
+            f"{sorted(waited.values())[:3]}", *stream.errors)
+        assert "successfully rolled out" in status, proof
+        assert all(new[n]["metadata"]["uid"] != old[n] for n in NODES), proof
+        assert all(per_node.values()), proof
+        assert not stream.errors, proof
+        assert not failed, proof
+    finally:
+        kubectl("-n", BROKER_NS, "delete", "pods", "--all", "--wait=true", timeout=180)
+        kubectl("-n", BROKER_NS, "delete", "secret", BROKER_KEY, "--ignore-not-found")
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import threading
 import time
 from typing import Any
 
@@ -35,6 +34,7 @@ from tests.kubelet.static_pods import (
     pods,
     wait_registered,
 )
+from tests.lib.background import Repeating
 
 # Enough slots that pods arriving every second never run out while they overlap.
 ROLL_SLOTS = 16
@@ -113,29 +113,18 @@ def stop_and_wait(node: Any, name: str) -> float:
     return time.monotonic() - started
 
 
-class PodStream:
+class PodStream(Repeating):
     """A static pod asking for the resource every second, on a thread, until stopped."""
 
     def __init__(self, node: Any) -> None:
+        super().__init__(POD_EVERY, "pods")
         self.node = node
         self.runs: list[PodRun] = []
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pods", daemon=True)
 
-    def start(self) -> PodStream:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._done.is_set():
-            name = f"roll-{len(self.runs)}"
-            self.runs.append(PodRun(self.node, name, pod_spec(
-                container(self.node, "test -c /dev/fuse && echo FUSE_OK", fuse=1))))
-            self._done.wait(POD_EVERY)
-
-    def stop(self) -> None:
-        self._done.set()
-        self._thread.join(30)
+    def step(self) -> None:
+        name = f"roll-{len(self.runs)}"
+        self.runs.append(PodRun(self.node, name, pod_spec(
+            container(self.node, "test -c /dev/fuse && echo FUSE_OK", fuse=1))))
 
     def finish(self) -> dict[str, str]:
         """Wait for every pod to end; their phases by name, then remove them all."""

@@ -9,9 +9,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -21,6 +18,7 @@ from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.config import API_VERSION
 from fuse_plugin.demo.kubelet import Rejected
+from tests.lib.background import Repeating
 from tests.lib.kubelet import KubeletStandIn, socket_files
 from tests.lib.node import FakeNode
 from tests.lib.plugin import RESOURCE, PluginProcess, StartPlugin
@@ -61,36 +59,24 @@ def endpoints_are(kubelet: KubeletStandIn, names: list[str]) -> None:
         f"the kubelet's endpoints: {kubelet.endpoints(RESOURCE)}, expected {names}"
 
 
-class Admissions:
+class Admissions(Repeating):
     """Pods asking for the resource one after another while the block runs, each gone
     again at once: what the kubelet admitted and what it rejected, with why."""
 
     def __init__(self, kubelet: KubeletStandIn) -> None:
+        super().__init__(ADMIT_EVERY, "admissions", join_timeout=DEADLINE)
         self._kubelet = kubelet
-        self._done = threading.Event()
         self.admitted = 0
         self.rejected: list[str] = []
-        self._thread = threading.Thread(target=self._run, name="admissions", daemon=True)
 
-    def _run(self) -> None:
-        while not self._done.is_set():
-            try:
-                ids = self._kubelet.admit(RESOURCE)
-            except Rejected as err:
-                self.rejected.append(str(err))
-            else:
-                self._kubelet.release(RESOURCE, ids)
-                self.admitted += 1
-            self._done.wait(ADMIT_EVERY)
-
-    @contextmanager
-    def running(self) -> Iterator[Admissions]:
-        self._thread.start()
+    def step(self) -> None:
         try:
-            yield self
-        finally:
-            self._done.set()
-            self._thread.join(DEADLINE)
+            ids = self._kubelet.admit(RESOURCE)
+        except Rejected as err:
+            self.rejected.append(str(err))
+        else:
+            self._kubelet.release(RESOURCE, ids)
+            self.admitted += 1
 
 
 # -- what the issue saw, and why ------------------------------------------------------
@@ -163,7 +149,7 @@ def test_rollout_surge_then_stop_no_pod_rejected(kubelet: KubeletStandIn,
     endpoint."""
     old = start_plugin("--instance", "old")
     registered(kubelet, 1)
-    with Admissions(kubelet).running() as admissions:
+    with Admissions(kubelet) as admissions:
         start_plugin("--instance", "new")
         registered(kubelet, 2)
         assert old.terminate() == 0
@@ -197,7 +183,7 @@ def test_sigterm_keeps_serving_until_the_successor_registered(
     its place with the kubelet until the new one says it is registered, then goes."""
     old = start_plugin("--instance", "old", "--handoff-wait", "60", "--log-format", "json")
     knows_registered(kubelet, old)
-    with Admissions(kubelet).running() as admissions:
+    with Admissions(kubelet) as admissions:
         old.proc.send_signal(signal.SIGTERM)
         logged(old, "handoff.waiting")
         served_while_waiting = admissions.admitted
