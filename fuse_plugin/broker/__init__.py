@@ -11,5 +11,6 @@ the helper process (``native/helper.c``: the broker's hands in a caller's namesp
 broker mounted, ``admission`` the mount caps over one count of the records and the requests
 in flight, ``mountinfo`` how its own directory shows in a mount table, ``budget``
 how much it logs about one tenant, ``probes`` and ``stats`` its probes and metrics,
-``kernel`` one system call. docs/broker.md explains the design and the threat model.
+``kernel`` one system call. docs/broker-internals.md explains the design, docs/security.md
+the rules and the threat model.
 """

@@ -18,7 +18,7 @@ The broker opens the ``cgroup.procs`` files (its credentials and cgroup namespac
 the ones the kernel checks a move against) and hands them to the helper; the move
 itself, which may wait for an RCU grace period, happens in the helper's time, never
 the loop's. A request whose helper cannot be placed is refused, never run in the
-broker's cgroups (docs/broker.md, "Helpers are charged to their callers").
+broker's cgroups (docs/security.md, "Helpers are charged to their callers").
 
 The broker must see the node's whole hierarchies, writable: in its DaemonSet a hostPath
 of the node's /sys/fs/cgroup (cgroup v1 or v2), and, where the runtime gives the

@@ -1,7 +1,7 @@
 """LXCFS views through the broker: the node's lxcfs files bound over a container's own
 /proc files, on the container's one request, and bound again whenever lxcfs comes back.
 
-Three parties (docs/broker.md, "LXCFS views"):
+Three parties (docs/broker-internals.md, "LXCFS views"):
 
 - **lxcfs**, one per node, in its own DaemonSet (``lxcfs_daemon``): it mounts lxcfs at
   MOUNTPOINT inside its own container's mount namespace (never on the host, so no stale

@@ -209,7 +209,7 @@ class Broker:
         try:
             listener.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 0)
             self._refuses_descriptors = True
-        except OSError:  # before Linux 6.16 (docs/broker.md says what that costs)
+        except OSError:  # before Linux 6.16 (docs/security.md says what that costs)
             self._refuses_descriptors = False
         listener.bind(str(path))
         # Anyone who can reach the socket may ask; the kernel names them, policy decides.

@@ -14,8 +14,8 @@
  * gave the device can do), asks the node's broker over a unix socket to mount it, naming
  * the fd, and once the broker says ok hands that fd to libfuse over _FUSE_COMMFD as real
  * fusermount3 does. The broker takes the fd from this process (pidfd_getfd); nothing
- * travels over the socket but text. See docs/broker.md for the protocol and why the
- * broker, not this program, is what is trusted.
+ * travels over the socket but text. See docs/broker-internals.md for the protocol and
+ * docs/security.md for why the broker, not this program, is what is trusted.
  *
  * A broker that is restarting (its DaemonSet rolled out: the socket is gone, or left by a
  * broker that was killed, or a stopping broker answered retry=1) is waited for, up to
