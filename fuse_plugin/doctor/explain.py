@@ -52,10 +52,12 @@ class KnownError:
 _ENOENT = r"no such file|\bENOENT\b"
 _EPERM = r"not permitted|\bEPERM\b"
 _EACCES = r"permission denied|\bEACCES\b"
-_ERRNOS = (_ENOENT, _EPERM, _EACCES)
+_ECONNREFUSED = r"connection refused|\bECONNREFUSED\b"
+_ERRNOS = (_ENOENT, _EPERM, _EACCES, _ECONNREFUSED)
 _ERRNO_TEXT = {_ENOENT: ("No such file or directory", "ENOENT"),
                _EPERM: ("Operation not permitted", "EPERM"),
-               _EACCES: ("Permission denied", "EACCES")}
+               _EACCES: ("Permission denied", "EACCES"),
+               _ECONNREFUSED: ("Connection refused", "ECONNREFUSED")}
 
 _RESOURCE_FIX = ("request the device: `resources.limits: {github.com/fuse: 1}`; if the node "
                  "has no github.com/fuse capacity (`kubectl describe node`), run "
@@ -110,6 +112,138 @@ ERRORS: tuple[KnownError, ...] = (
                   "mount the runtime's CDI directory into the plugin at `--cdi-dir` (the "
                   "component mounts /var/run/cdi), or restart the plugin pod to write it again"),
         )),
+    # Broker mode's shim (fuse_plugin/broker/native/fusermount3.c) and the broker's
+    # refusals, as the pod's FUSE program prints them (docs/broker.md).
+    KnownError(
+        key="broker-restarting",
+        example="fusermount3: the FUSE mount broker at /run/fuse-broker/broker.sock is not "
+                "answering (...); waiting up to 30 s for it to restart",
+        errno="",
+        patterns=(r"FUSE mount broker at \S+ is not answering",),
+        meaning="broker mode's shim is waiting for the node's broker",
+        causes=(
+            Cause("the broker on this node is restarting (a rollout, a crash): its socket is "
+                  "missing or stale, or (`it is stopping`) the old broker, draining, did "
+                  "nothing of this request",
+                  "the parenthesis says which: `it is stopping` for a draining broker",
+                  "nothing: the mount goes on once the broker is back; otherwise `fusermount3: "
+                  "cannot reach the FUSE mount broker ...` follows once the wait is over"),
+        )),
+    KnownError(
+        key="broker-unreachable",
+        example="fusermount3: cannot reach the FUSE mount broker at "
+                "/run/fuse-broker/broker.sock: Connection refused",
+        errno="",
+        patterns=(r"cannot reach the FUSE mount broker",),
+        meaning="broker mode's shim found no broker to ask",
+        causes=(
+            Cause("the broker has been down for longer than the wait",
+                  "the line comes after `... is not answering (...); waiting up to 30 s for "
+                  "it to restart` (`Connection refused`, or `No such file or directory`)",
+                  "check `kubectl -n fuse-device-plugin get pods -l "
+                  "app.kubernetes.io/name=fuse-mount-broker -o wide`; its log says why it "
+                  "stopped; `FUSE_BROKER_WAIT=<seconds>` in the pod's environment waits longer"),
+            Cause("the container has no `/run/fuse-broker`: it was not given broker mode's "
+                  "binds",
+                  "`No such file or directory` at once, alone (no waiting line before it)",
+                  "request `github.com/fuse: 1` with the plugin in broker mode; deploy "
+                  "`manifests/broker/`", when=_ENOENT),
+        )),
+    KnownError(
+        key="broker-stopping",
+        example="fusermount3: broker refused: the broker is stopping and did nothing of this "
+                "request; try again",
+        errno="",
+        patterns=(r"broker is stopping and did nothing",),
+        meaning="a draining broker refused a request it had not acted on",
+        causes=(
+            Cause("a draining broker did nothing of the request, and the shim did not wait for "
+                  "the next one (`FUSE_BROKER_WAIT=0`), or an older shim (one that ignores "
+                  "`retry=1`) asked",
+                  "`FUSE_BROKER_WAIT=0` in the pod's environment, or a container started with "
+                  "an older release's shim",
+                  "run the mount again; remove `FUSE_BROKER_WAIT=0`"),
+        )),
+    KnownError(
+        key="broker-closed",
+        example="fusermount3: the FUSE mount broker closed the connection (restarting?)",
+        errno="",
+        patterns=(r"FUSE mount broker closed the connection",),
+        meaning="the broker went away after it had read the request",
+        causes=(
+            Cause("the broker died after reading the request: it may have acted on it, so the "
+                  "shim does not ask again",
+                  "the broker's pod on the node restarted (`kubectl -n fuse-device-plugin get "
+                  "pods -l app.kubernetes.io/name=fuse-mount-broker -o wide`)",
+                  "run the mount again once the broker is back; `fusermount3 -u` a dead mount "
+                  "it may have left"),
+        )),
+    KnownError(
+        key="broker-not-given",
+        example="fusermount3: broker refused: this container was not given broker mode by the "
+                "device plugin (no /run/fuse-broker bind of the broker's directory in its mount "
+                "namespace); request github.com/fuse in its own resources",
+        errno="",
+        patterns=(r"not given broker mode",),
+        meaning="the broker refused a caller the device plugin did not give broker mode",
+        causes=(
+            Cause("the request came from a container without `github.com/fuse` (a sibling "
+                  "sharing the pod's PID namespace) or from outside a container",
+                  "the container's own `resources` lack `github.com/fuse`",
+                  "request `github.com/fuse: 1` in that container's own resources"),
+        )),
+    KnownError(
+        key="broker-deadline",
+        example="fusermount3: broker: the request did not finish within 5s (a FUSE filesystem "
+                "on the way may not be answering)",
+        errno="",
+        patterns=(r"did not finish within \d+s",),
+        meaning="the broker killed the request's helper at its deadline",
+        causes=(
+            Cause("a FUSE filesystem the path leads through did not answer; the broker killed "
+                  "its helper",
+                  "the broker's log has a `broker.stalled` line for the container",
+                  "check the FUSE daemons the container runs; the broker's log names the "
+                  "request"),
+        )),
+    KnownError(
+        key="broker-refused",
+        example="fusermount3: broker refused: mount option 'suid' refused: broker mounts are "
+                "always nosuid,nodev",
+        errno="",
+        patterns=(r"broker refused:",),
+        meaning="the broker refused the request by one of its rules (docs/security.md, "
+                "\"The rules\")",
+        causes=(
+            Cause("the request broke a broker rule (the reason names it)",
+                  "the broker's log has the same line (`broker.refused`, with its `kind`)",
+                  "change the mountpoint or options"),
+        )),
+    # Profiles the pod names but the node lacks (docs/profiles.md).
+    KnownError(
+        key="apparmor-profile-not-loaded",
+        example="apparmor profile not found fuse-device-plugin-sshfs",
+        errno="",
+        patterns=(r"apparmor profile not found", r"profile .* is not loaded"),
+        meaning="the runtime could not apply the AppArmor profile the pod names "
+                "(CreateContainerError)",
+        causes=(
+            Cause("the profile is not loaded on this node",
+                  "`fuse-device-plugin doctor` on the node: the `apparmor profiles` line",
+                  "run `install-profiles` on the node and check its `profile_rejected` lines"),
+        )),
+    KnownError(
+        key="seccomp-profile-missing",
+        example='cannot load seccomp profile "/var/lib/kubelet/seccomp/fuse-device-plugin/'
+                'sshfs.json": ... no such file or directory',
+        errno="",
+        patterns=(r"cannot load seccomp profile",),
+        meaning="the kubelet could not read the seccomp profile the pod names",
+        causes=(
+            Cause("the seccomp file is not on this node",
+                  "`fuse-device-plugin doctor` on the node: the `seccomp profiles` line",
+                  "run `install-profiles` (or copy the file) on the node"),
+        )),
     KnownError(
         key="open-dev-fuse",
         example="fuse: failed to open /dev/fuse: Permission denied",
@@ -122,14 +256,16 @@ ERRORS: tuple[KnownError, ...] = (
                   "`ls -l /dev/fuse` in the container: No such file or directory",
                   _RESOURCE_FIX, when=_ENOENT),
             Cause("the device cgroup does not allow c 10:229: the node came from a hostPath "
-                  "volume, which gives the file but not the permission to open it",
+                  "volume (or a `/dev` bind mount without the resource), which gives the file "
+                  "but not the permission to open it",
                   "the node exists in the container yet `exec 3<>/dev/fuse` fails with "
                   "Operation not permitted",
                   "drop the hostPath volume and request `github.com/fuse: 1` instead: the "
                   "plugin's allocation adds the cgroup rule", when=_EPERM),
             Cause("/dev/fuse is mode 0600 (owned by host root) and the process is not host "
                   "root: a non-root user, or any user in a user-namespaced pod "
-                  "(`hostUsers: false`)",
+                  "(`hostUsers: false`); in broker mode the shim says it "
+                  "(`fusermount3: failed to open /dev/fuse`)",
                   "`ls -l /dev/fuse` in the container shows crw-------",
                   "make the node's /dev/fuse 0666 (udev rule `KERNEL==\"fuse\", MODE=\"0666\"`, "
                   "the default on most distributions); `doctor` warns on 0600", when=_EACCES),
@@ -147,7 +283,8 @@ ERRORS: tuple[KnownError, ...] = (
                   "`ls -l /dev/fuse` in the container fails; the node shows no github.com/fuse "
                   "capacity when the plugin is the problem",
                   _RESOURCE_FIX),
-            Cause("the node's kernel has no FUSE filesystem",
+            Cause("the node's kernel has no FUSE filesystem (the plugin then reports the "
+                  "device unhealthy)",
                   "`grep fuse /proc/filesystems` on the node prints nothing",
                   "`modprobe fuse` on the node and add `fuse` to /etc/modules-load.d/fuse.conf"),
         )),
@@ -185,7 +322,7 @@ ERRORS: tuple[KnownError, ...] = (
                   "/etc/fuse.conf says so",
                   "the daemon runs as a non-root user with -o allow_other",
                   "add the line `user_allow_other` to /etc/fuse.conf in the image, or drop "
-                  "allow_other"),
+                  "allow_other, or mount as root"),
         )),
     KnownError(
         key="fusermount3",
@@ -198,7 +335,14 @@ ERRORS: tuple[KnownError, ...] = (
             Cause("the setuid bit did nothing: `allowPrivilegeEscalation: false` sets "
                   "no_new_privs, so fusermount3 runs without CAP_SYS_ADMIN",
                   "`grep NoNewPrivs /proc/self/status` in the container prints 1",
-                  "set `allowPrivilegeEscalation: true` on the FUSE container",
+                  "set `allowPrivilegeEscalation: true` on the FUSE container, or mount as "
+                  "root", when=_EPERM),
+            Cause("in broker mode, the image's real helper is speaking: the plugin is not in "
+                  "broker mode, or the program runs a helper of its own name that the shim "
+                  "does not cover (docs/broker.md, \"How FUSE programs reach their helper\")",
+                  "`ls /run/fuse-broker` in the container fails (no broker mode), or the "
+                  "program's helper is not at a path the shim is bound to",
+                  "deploy `manifests/broker/`; for another helper name, bind the shim there",
                   when=_EPERM),
         ),
         final=False),
@@ -215,7 +359,8 @@ ERRORS: tuple[KnownError, ...] = (
                   "`exec 3<>/dev/fuse` in the container already fails with Operation not "
                   "permitted: it is not the mount at all",
                   "drop the hostPath volume and request `github.com/fuse: 1`"),
-            Cause("no CAP_SYS_ADMIN in the mounting process",
+            Cause("no CAP_SYS_ADMIN in the mounting process (not added, or dropped with "
+                  "`drop: [ALL]`)",
                   "opening /dev/fuse works, but `grep CapEff /proc/self/status` lacks bit 21 "
                   "(`capsh --decode=<value>` shows no cap_sys_admin)",
                   "`securityContext.capabilities.add: [SYS_ADMIN]` (Pod Security `baseline` "
@@ -229,6 +374,18 @@ ERRORS: tuple[KnownError, ...] = (
                   "/proc/self/status` prints 2",
                   "`seccompProfile: {type: Localhost, localhostProfile: "
                   "fuse-device-plugin/<preset>.json}`; `doctor` checks it is on the node"),
+        )),
+    KnownError(
+        key="unmount-denied",
+        example="fusermount3: failed to unmount /mnt/x: Permission denied",
+        errno="EACCES",
+        patterns=(r"failed to unmount .*(permission denied|\bEACCES\b)",),
+        meaning="AppArmor refused an unmount",
+        causes=(
+            Cause("AppArmor: unmount outside the profile's `--mountpoint`, or under `/proc`, "
+                  "`/sys`, `/dev`",
+                  "the node's kernel log has an `apparmor=\"DENIED\"` line naming the path",
+                  "mount and unmount inside the glob"),
         )),
     KnownError(
         key="eacces",
@@ -249,6 +406,19 @@ ERRORS: tuple[KnownError, ...] = (
                   "a user-namespaced pod)",
                   "`ls -l /dev/fuse` in the container shows crw-------",
                   "make the node's /dev/fuse 0666 (udev rule `KERNEL==\"fuse\", MODE=\"0666\"`)"),
+            Cause("our profile refused it: a mountpoint outside the profile's `--mountpoint`, "
+                  "a filesystem type of another preset, or flags outside the allowed set "
+                  "(`suid`, `dev`, `sync`, ...)",
+                  "the node's kernel log says `apparmor=\"DENIED\" operation=\"mount\"` with "
+                  "`fstype`, `flags` and `name`, and `cat /proc/self/attr/current` names "
+                  "fuse-device-plugin-<preset>",
+                  "regenerate the profile with a matching `--mountpoint` or preset; drop the "
+                  "extra `-o` flags"),
+            Cause("broker mode on an AppArmor node and no seccomp profile: AppArmor refused "
+                  "`mount(2)` with EACCES, so libfuse never ran the shim",
+                  "the pod adds no capability and `grep Seccomp /proc/self/status` in the "
+                  "container prints 0",
+                  "`seccompProfile: {type: RuntimeDefault}` on the pod"),
         )),
 )
 

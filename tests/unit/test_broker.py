@@ -376,7 +376,7 @@ def test_shim_errors_are_one_line_and_exit_1(shim: Path, args: tuple[str, ...],
 
 def test_shim_says_why_it_cannot_open_dev_fuse(shim: Path, tmp_path: Path) -> None:
     """A uid that may not open /dev/fuse (a 0600 node, as on a node without udev, seen
-    by a non-root or user-namespaced pod) gets the line the README's error table lists.
+    by a non-root or user-namespaced pod) gets the line docs/errors.md lists.
     The node's own /dev/fuse is left alone: a private mount namespace covers it with a
     root-owned 0600 file."""
     if os.geteuid() != 0:

@@ -509,6 +509,16 @@ def test_bad_preset_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None
     ("top: failed /proc/stat open: Transport endpoint is not connected", ["not-connected"]),
     ("fusermount3: option allow_other only allowed if 'user_allow_other' is set in "
      "/etc/fuse.conf", ["allow-other"]),
+    ("fusermount3: cannot reach the FUSE mount broker at /run/fuse-broker/broker.sock: "
+     "No such file or directory", ["broker-unreachable"]),
+    ("fusermount3: broker refused: the mountpoint is sticky and owned by uid 0",
+     ["broker-refused"]),
+    ("fusermount3: broker refused: this container was not given broker mode by the device "
+     "plugin", ["broker-not-given"]),
+    ("fusermount3: failed to open /dev/fuse: Permission denied", ["open-dev-fuse"]),
+    ("fusermount3: failed to unmount /mnt/x: Permission denied", ["unmount-denied"]),
+    ('cannot load seccomp profile "/var/lib/kubelet/seccomp/fuse-device-plugin/s3fs.json": '
+     "open: no such file or directory", ["seccomp-profile-missing"]),
 ])
 def test_explain_known_messages(message: str, keys: list[str], run_explain: Explain) -> None:
     code, document = run_explain(message)
@@ -565,6 +575,18 @@ def test_fusermount3_with_another_errno_skips_the_eperm_only_cause(run_explain: 
     assert "allowPrivilegeEscalation" in causes(eperm, 0)[0]
 
 
+def test_unreachable_broker_names_the_missing_binds_only_for_enoent(
+        run_explain: Explain) -> None:
+    """Refused: the broker is down (no bind is missing); ENOENT: either, told apart by
+    whether the shim waited first."""
+    broker = "fusermount3: cannot reach the FUSE mount broker at /run/fuse-broker/broker.sock"
+    _, refused = run_explain(f"{broker}: Connection refused")
+    assert causes(refused) == ["the broker has been down for longer than the wait"]
+    _, missing = run_explain(f"{broker}: No such file or directory")
+    assert len(causes(missing)) == 2
+    assert "/run/fuse-broker" in causes(missing)[1]
+
+
 def test_transport_endpoint_mentions_the_lxcfs_restart(run_explain: Explain) -> None:
     _, document = run_explain("Transport endpoint is not connected")
     assert any("lxcfs" in cause for cause in causes(document))
@@ -597,8 +619,8 @@ def test_explain_text_output(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert out.startswith("fusermount3: the setuid-root helper")
     assert "\n\nEPERM: the kernel refused the mount" in out
-    assert out.count("how to tell:") == 4
-    assert out.count("fix:") == 4
+    assert out.count("how to tell:") == 5
+    assert out.count("fix:") == 5
 
 
 def test_explain_runs_as_the_installed_command_without_root() -> None:
