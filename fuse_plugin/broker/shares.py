@@ -33,9 +33,9 @@ from fuse_plugin.broker import policy
 PER_CONTAINER = 4  # open requests of one container: silent connections take its own
 PER_POD = 16  # open requests of all the containers of one pod together
 # Helpers alive for one pod: a container has one at a time, and a pod's requests beyond
-# this wait for its own. Each helper costs the broker's pod 0.45 MiB, 0.95 MiB for a
-# caller of 32,768 groups (bench.broker_full_node): the node's 2 x --max-pods is what the
-# DaemonSet's memory limit covers (8 a pod would need four times as much).
+# this wait for its own. What each helper costs the broker's pod (more for a caller of
+# 32,768 groups) is in bench/README.md, the broker at its caps: the node's 2 x --max-pods
+# is what the DaemonSet's memory limit covers (8 a pod would need four times as much).
 PER_POD_HELPERS = 2
 DEFAULT_MAX_PODS = 110  # the kubelet's default maxPods
 
