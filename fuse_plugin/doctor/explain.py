@@ -207,6 +207,24 @@ ERRORS: tuple[KnownError, ...] = (
                   "request"),
         )),
     KnownError(
+        key="lxcfs-waiting",
+        example="fusermount3: broker refused: no lxcfs serves on this node (deploy "
+                "manifests/broker/lxcfs-daemonset.yaml; it may be starting); waiting up to "
+                "30 s for it",
+        errno="",
+        patterns=(r"no lxcfs serves on this node",),
+        meaning="an LXCFS views pod (`fusermount3 --lxcfs --`) is waiting for the node's lxcfs",
+        causes=(
+            Cause("the pod started before lxcfs, or while lxcfs restarts (docs/broker.md, "
+                  "\"LXCFS views\")",
+                  "the node's `fuse-lxcfs` pod is missing or not Ready (`kubectl -n "
+                  "fuse-device-plugin get pods -l app.kubernetes.io/name=fuse-lxcfs -o wide`)",
+                  "nothing while lxcfs starts: the shim asks again every half second for up to "
+                  "`FUSE_BROKER_WAIT` (30 s), then exits 1 without running the command and the "
+                  "kubelet restarts the container; without the lxcfs DaemonSet, deploy the "
+                  "broker component's `manifests/broker/lxcfs-daemonset.yaml`"),
+        )),
+    KnownError(
         key="broker-refused",
         example="fusermount3: broker refused: mount option 'suid' refused: broker mounts are "
                 "always nosuid,nodev",

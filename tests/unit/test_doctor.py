@@ -517,6 +517,8 @@ def test_bad_preset_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None
      "plugin", ["broker-not-given"]),
     ("fusermount3: failed to open /dev/fuse: Permission denied", ["open-dev-fuse"]),
     ("fusermount3: failed to unmount /mnt/x: Permission denied", ["unmount-denied"]),
+    ("fusermount3: broker refused: no lxcfs serves on this node (deploy "
+     "manifests/broker/lxcfs-daemonset.yaml; it may be starting)", ["lxcfs-waiting"]),
     ('cannot load seccomp profile "/var/lib/kubelet/seccomp/fuse-device-plugin/s3fs.json": '
      "open: no such file or directory", ["seccomp-profile-missing"]),
 ])
