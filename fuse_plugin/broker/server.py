@@ -332,9 +332,9 @@ class Broker:
         """The next deadline of a request not yet complete and of a helper. Each table
         is kept in the order its deadlines fall (an entry's deadline is the time it was
         added plus a constant, and entries are only ever added at the end), so its first
-        entry has the soonest: a turn costs the same however many are open. (Listing
-        every deadline, a node's 1,760 silent connections took nearly a quarter of the
-        loop's time: bench/README.md, the broker at its caps.)"""
+        entry has the soonest: a turn costs the same however many are open (listing
+        every deadline cost a full node's silent connections a large share of the loop's
+        time: bench/README.md, "The broker at its caps")."""
         soonest = [w.deadline for w in itertools.islice(self._waiting.values(), 1)]
         soonest += [w.job.deadline for w in itertools.islice(self._running.values(), 1)
                     if w.job is not None]
@@ -389,10 +389,9 @@ class Broker:
     def _accept(self) -> None:
         """One new connection a turn. Taking it reads its request and may start a
         helper, so a turn that took many would hold every mount already under way until
-        all of them were done: under bench.broker_chaos at the DaemonSet's 100m, 16 a
-        turn left the neighbours' p99 at 120-130 ms, one a turn at 72-87 ms. A flood waits
-        in the kernel's backlog, and the listener, still readable, comes round again at
-        once."""
+        all of them were done (bench/README.md, "The broker under chaos", says what one a
+        turn did to the neighbours' tail). A flood waits in the kernel's backlog, and the
+        listener, still readable, comes round again at once."""
         assert self._listener is not None
         try:
             sock, _ = self._listener.accept()

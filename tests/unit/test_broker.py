@@ -850,8 +850,8 @@ def test_the_brokers_probes_and_metrics(root: None, shim: Path, tmp_path: Path) 
 def test_a_turn_takes_one_new_connection(root: None, shim: Path, tmp_path: Path) -> None:
     """Taking a connection reads its request and may start a helper, so the loop takes
     one a turn: the helpers' reports of mounts under way are heard between any two
-    (bench.broker_chaos: 16 a turn put the neighbours' p99 at 120-130 ms at 100m, one at
-    72-87 ms). Five requests queued at once are answered one a turn, in order."""
+    (why, in figures: bench/README.md, "The broker under chaos"). Five requests queued at
+    once are answered one a turn, in order."""
     broker = Broker(BrokerSettings(directory=tmp_path / "dir", state=tmp_path / "state",
                                    lxcfs_dir=tmp_path / "lxcfs",
                                    shim=shim), logging.getLogger("test"))
