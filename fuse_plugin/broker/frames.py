@@ -16,8 +16,9 @@ A frame, in the host's byte order (both ends run on one machine)::
 
 A value is text (UTF-8, no NUL) except ``groups``, an array of u32. A repeated field
 refuses the whole message on either side. ``native/helper.c`` checks each request and
-answer against its fixed set of fields (a missing or unknown one refuses it); the broker
-refuses a report that lacks a field its step reads (``reports.field``).
+answer against its fixed set of fields (an unknown one, or a missing one it needs,
+refuses it); the broker refuses a report that lacks a field its step reads
+(``reports.field``).
 """
 
 from __future__ import annotations
