@@ -44,8 +44,8 @@ class Admission:
     """The one count of mounts held or in flight, per container, pod and node, and the
     caps on it. Only the broker's loop thread uses it."""
 
-    def __init__(self, held: Records, limits: Limits) -> None:
-        self.records = held
+    def __init__(self, records: Records, limits: Limits) -> None:
+        self.records = records
         self.limits = limits
         self._slots: set[Slot] = set()
 

@@ -91,8 +91,9 @@ class Conversation:
         return report
 
     def verdict(self, report: reports.MountFacts | reports.UnmountFacts,
-                held: records.Records, allow_other: bool) -> dict[str, str]:
-        """Judge what the helper reached; the mount's (or unmount's) parameters, or
+                store: records.Records, allow_other: bool) -> dict[str, str]:
+        """Judge what the helper reached (an unmount against ``store``, the records of the
+        mounts the broker made); the mount's (or unmount's) parameters, or
         ``policy.Refused``."""
         who = self.caller
         if isinstance(report, reports.MountFacts):
@@ -100,26 +101,26 @@ class Conversation:
                              user_namespaced=who.user_ns != -1)
             return self.options.verdict()
         found = report.found
-        policy.may_unmount(found, held.owner(found.connection), container=who.container,
+        policy.may_unmount(found, store.owner(found.connection), container=who.container,
                            uid=who.uid, node_root=who.node_root,
                            mount_id=self.request.mount_id)
         self.fields["mount_id"] = found.mount_id
         self.unmounting = found.connection
         return {"lazy": "1" if "lazy" in self.request.flags else "0"}
 
-    def record(self, built: reports.Built, held: records.Records) -> records.Record:
+    def record(self, built: reports.Built, store: records.Records) -> records.Record:
         """The record of the new connection, made while its mount is still detached, so
         a broker killed at any instant leaves no mount it made that it does not count
         and cannot remove. No record, no mount: ``HelperFailed`` releases the helper,
         and the detached mount goes with it."""
         connection = built.connection
-        if held.owner(connection) is not None:
+        if store.owner(connection) is not None:
             # The kernel mounts a /dev/fuse already in use as one more mount of its
             # superblock: one connection, any number of mount points, one record.
             raise policy.Refused(f"this /dev/fuse already serves a mount (FUSE connection "
                                  f"{connection}): open /dev/fuse again for another mount",
                                  "allocation")
-        inode = held.inode_of(connection)
+        inode = store.inode_of(connection)
         if inode is None:
             raise reports.HelperFailed(f"the new FUSE connection {connection} is not in "
                                        "fusectl")

@@ -1,23 +1,24 @@
 """The broker's conversation with its helper (``native/helper.c``): framed, typed messages.
 
-Why framed: as ``key=value`` text in one datagram read into a fixed buffer, a caller
-with 3,000 supplementary groups made the request longer than that buffer; the kernel cut
-the datagram, the fields after the groups (the ones that said "check as the caller" and
-"never walk into FUSE") were lost, and the helper resolved the path as uid 0, inside the
-tenant's FUSE mount. So every message states its own length, the receiver reads it with
-``MSG_TRUNC`` (so a datagram longer than its buffer is seen, not cut) and refuses one
-whose length or layout is wrong, and a message too large to send is refused whole by its
-sender. The helper's checks as the caller and its refusal to walk into FUSE are not
-fields at all: they are unconditional in the helper.
+Why framed: a request carries the caller's supplementary groups (the kernel allows
+65,536), so no fixed buffer is sure to hold it, and a datagram read into a buffer too small
+for it is cut silently: the fields after the cut would be lost, not refused. So every
+message states its own length, the receiver reads it with ``MSG_TRUNC`` (so a datagram
+longer than its buffer is seen, not cut) and refuses one whose length or layout is
+wrong, and a message too large to send is refused whole by its sender. What keeps a lost
+field from weakening a check is that the helper's checks as the caller and its refusal
+to walk into FUSE are not fields at all: they are unconditional in the helper.
 
 A frame, in the host's byte order (both ends run on one machine)::
 
     "FBH1" | u32 frame length | u8 type | u8 field count | u16 zero
     each field: u8 key length | key | NUL | u32 value length | value | NUL
 
-A value is text (UTF-8, no NUL) except ``groups``, an array of u32. Each type has a fixed
-set of fields (``native/helper.c`` checks the same schema): a missing, unknown or
-repeated field refuses the whole message.
+A value is text (UTF-8, no NUL) except ``groups``, an array of u32. A repeated field
+refuses the whole message on either side. ``native/helper.c`` checks each request and
+answer against its fixed set of fields (an unknown one, or a missing one it needs,
+refuses it); the broker refuses a report that lacks a field its step reads
+(``reports.field``).
 """
 
 from __future__ import annotations

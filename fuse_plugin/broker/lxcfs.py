@@ -79,12 +79,12 @@ class Instance:
 
 @dataclass(eq=False)
 class Bind:
-    """One run of fuse-broker-lxcfs for a consumer: for its request (``work``) or a
-    heal (no ``work``)."""
+    """One run of fuse-broker-lxcfs for a consumer: for its request (``conversation``) or a
+    heal (no ``conversation``)."""
 
     consumer: Consumer
     instance: Instance
-    work: Conversation | None
+    conversation: Conversation | None
     proc: subprocess.Popen[bytes] | None = None
     pidfd: int = -1
     deadline: float = 0.0
@@ -134,7 +134,8 @@ class Views:
         self.directory = directory
         self.mark = mark
         self.log = log
-        # answer(work, None, _): ok; a Refused: refused (later: asks again); a str: failed.
+        # answer(conversation, None, _): ok; a Refused: refused (later: asks again); a str:
+        # failed.
         self.answer = answer
         self.instance: Instance | None = None
         self.consumers: list[Consumer] = []
@@ -239,35 +240,35 @@ class Views:
 
     # -- consumers -----------------------------------------------------------------------
 
-    def request(self, work: Conversation, data: bytes) -> None:
+    def request(self, conversation: Conversation, data: bytes) -> None:
         """A container asks for the views (op=lxcfs). Answered through ``answer``."""
-        work.fields.update(op=OP)
+        conversation.fields.update(op=OP)
         try:
             check_request(data)
-            if any(b.consumer.container == work.container for b in (*self.running,
+            if any(b.consumer.container == conversation.container for b in (*self.running,
                                                                       *self.queued)):
                 raise policy.Refused("an lxcfs bind for this container is under way; try "
                                      "again", "busy")
-            if sum(1 for c in self.consumers if c.container == work.container) \
+            if sum(1 for c in self.consumers if c.container == conversation.container) \
                     >= PER_CONTAINER:
                 raise policy.Refused(f"this container already has {PER_CONTAINER} "
                                      "processes recorded for lxcfs views", "quota")
-            work.caller.open()
+            conversation.caller.open()
         except policy.Refused as refused:
-            self.answer(work, refused, False)
+            self.answer(conversation, refused, False)
             return
         if self.instance is None:
-            self.answer(work, policy.Refused("no lxcfs serves on this node (deploy "
+            self.answer(conversation, policy.Refused("no lxcfs serves on this node (deploy "
                                              "manifests/broker/lxcfs-daemonset.yaml; it "
                                              "may be starting)", "busy"), True)
             return
-        who = work.caller
+        who = conversation.caller
         try:
             consumer = Consumer(who.container, who.pid, os.dup(who.pidfd), os.dup(who.mnt_ns))
         except OSError as err:
-            self.answer(work, policy.OutOfResources("recording the consumer", err), False)
+            self.answer(conversation, policy.OutOfResources("recording the consumer", err), False)
             return
-        self._queue(Bind(consumer, self.instance, work))
+        self._queue(Bind(consumer, self.instance, conversation))
 
     def _queue(self, bind: Bind) -> None:
         self.queued.append(bind)
@@ -318,9 +319,9 @@ class Views:
         self._next()
 
     def _settle(self, bind: Bind, outcome: policy.Refused | str | None) -> None:
-        consumer, work = bind.consumer, bind.work
+        consumer, conversation = bind.consumer, bind.conversation
         took = round((time.perf_counter() - bind.started) * 1000, 2)
-        if work is None:  # a heal
+        if conversation is None:  # a heal
             logs.event(self.log, "broker.lxcfs_healed" if outcome is None
                        else "broker.lxcfs_heal_failed",
                        logging.INFO if outcome is None else logging.WARNING,
@@ -335,7 +336,7 @@ class Views:
                 self._queue(Bind(consumer, self.instance, None))
         else:  # refused, or failed, or this process is recorded already
             consumer.close()
-        self.answer(work, outcome, False)
+        self.answer(conversation, outcome, False)
 
     def _drop(self, consumer: Consumer) -> None:
         """The process that asked has exited: its record goes (a heal queued for it
@@ -370,8 +371,9 @@ class Views:
                 if bind.proc.stdout is not None:
                     bind.proc.stdout.close()
                 os.close(bind.pidfd)
-            if bind.work is not None:
-                self.answer(bind.work, policy.Refused("the broker is stopping", "busy"), False)
+            if bind.conversation is not None:
+                self.answer(bind.conversation,
+                            policy.Refused("the broker is stopping", "busy"), False)
         self.running.clear()
         self.queued.clear()
         for consumer in self.consumers:

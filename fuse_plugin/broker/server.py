@@ -87,8 +87,9 @@ SO_PASSRIGHTS = 83  # Linux 6.16+
 
 
 @dataclass(eq=False)
-class _Gone:
-    """A released helper, killed, until its pidfd says it has exited."""
+class _Exiting:
+    """A released helper, killed, until its pidfd says it has exited (one still alive
+    KILL_GRACE after its SIGKILL is stuck: ``_reap_stuck``)."""
 
     container: str
     job: Job
@@ -100,7 +101,7 @@ class Broker:
         self.log = log
         self.stats = BrokerStats()
         self.socket_path = settings.directory / protocol.SOCKET_NAME
-        self.helper = settings.shim.parent / HELPER_NAME
+        self.helper_binary = settings.shim.parent / HELPER_NAME
         self.records = records.Records(settings.state)
         self.caps = settings.caps
         # The caps, on one count of the mounts held (the records) and in flight.
@@ -132,7 +133,7 @@ class Broker:
         self._waiting: dict[int, Conversation] = {}  # by socket fd: no complete request yet
         self._queued: dict[str, collections.deque[Conversation]] = {}  # by container
         self._running: dict[str, Conversation] = {}  # by container: its helper is at work
-        self._stuck: list[_Gone] = []  # released (killed) helpers not exited yet
+        self._exiting: list[_Exiting] = []  # released (killed) helpers not exited yet
         self._budget = budget.LogBudget()  # lines per tenant and kind of refusal
         self.views: lxcfs.Views | None = None  # LXCFS views (lxcfs.py), from start
 
@@ -142,7 +143,7 @@ class Broker:
         """Check the inputs, install the shim, load the records, listen."""
         settings = self.settings
         for what, path in (("--shim", settings.shim),
-                           (f"{HELPER_NAME} (beside --shim)", self.helper)):
+                           (f"{HELPER_NAME} (beside --shim)", self.helper_binary)):
             if not os.access(path, os.X_OK) or not path.is_file():
                 raise Failure(f"{what} {path} is not an executable file; the image has both "
                               f"in {DEFAULT_SHIM.parent}, and a pip install builds none: "
@@ -164,7 +165,7 @@ class Broker:
             self._mark = mountinfo.mark_of(settings.directory)
             self._listen()
             self.views = lxcfs.Views(
-                self._selector, tool=self.helper.parent / lxcfs.TOOL_NAME,
+                self._selector, tool=self.helper_binary.parent / lxcfs.TOOL_NAME,
                 directory=settings.lxcfs_dir, state=settings.state / "lxcfs",
                 mark=self._mark, log=self.log,
                 answer=self._answer_lxcfs)
@@ -262,22 +263,22 @@ class Broker:
         stopping = policy.Refused("the broker is stopping and did nothing of this "
                                   "request; try again", "busy")
         waiting = list(self._waiting.values())
-        for work in waiting:
-            self._unwait(work)
+        for conversation in waiting:
+            self._unwait(conversation)
         queued = [w for q in self._queued.values() for w in q]
         self._queued.clear()
-        for work in [*waiting, *queued]:
-            self._refuse(work, stopping, retry=True)
-        for work in [w for w in self._running.values() if not w.acting]:
-            self._refuse(work, stopping, retry=True)
-            self._release(work)
+        for conversation in [*waiting, *queued]:
+            self._refuse(conversation, stopping, retry=True)
+        for conversation in [w for w in self._running.values() if not w.acting]:
+            self._refuse(conversation, stopping, retry=True)
+            self._release(conversation)
         self._turn_while(lambda: bool(self._running), end + HELPER_DEADLINE)
-        for work in list(self._running.values()):  # past their deadlines: not expired yet
-            if work.job is not None:
-                work.job.kill()
-            self._fail(work, HelperFailed("the broker is stopping"))
-        for gone in self._stuck:
-            gone.job.close()
+        for conversation in list(self._running.values()):  # past their deadlines: not expired yet
+            if conversation.job is not None:
+                conversation.job.kill()
+            self._fail(conversation, HelperFailed("the broker is stopping"))
+        for exiting in self._exiting:
+            exiting.job.close()
         if self.views is not None:
             self.views.close()
         if self._signals_wake and threading.current_thread() is threading.main_thread():
@@ -332,9 +333,9 @@ class Broker:
         """The next deadline of a request not yet complete and of a helper. Each table
         is kept in the order its deadlines fall (an entry's deadline is the time it was
         added plus a constant, and entries are only ever added at the end), so its first
-        entry has the soonest: a turn costs the same however many are open. (Listing
-        every deadline, a node's 1,760 silent connections took much of the loop's time:
-        bench/README.md, the broker at its caps.)"""
+        entry has the soonest: a turn costs the same however many are open (listing
+        every deadline cost a full node's silent connections a large share of the loop's
+        time: bench/README.md, "The broker at its caps")."""
         soonest = [w.deadline for w in itertools.islice(self._waiting.values(), 1)]
         soonest += [w.job.deadline for w in itertools.islice(self._running.values(), 1)
                     if w.job is not None]
@@ -348,13 +349,13 @@ class Broker:
                 self._wake_r.recv(512)
         elif isinstance(data, Conversation):
             self._receive(data)
-        elif isinstance(data, _Gone):
-            self._gone(data)
+        elif isinstance(data, _Exiting):
+            self._reap(data)
         elif isinstance(data, lxcfs.Event) and self.views is not None:
             self.views.handle(data)
         elif isinstance(data, tuple):
-            kind, work = data
-            (self._hear if kind == "ctl" else self._exited)(work)
+            kind, conversation = data
+            (self._hear if kind == "ctl" else self._exited)(conversation)
 
     def _survive(self, step: Callable[[Any], None], arg: object) -> None:
         """Run one step of the loop; the broker's own shortage of descriptors or memory
@@ -368,31 +369,30 @@ class Broker:
             if not policy.out_of_resources(err):
                 raise
             self._pause(err)
-            work = arg if isinstance(arg, Conversation) else (
+            conversation = arg if isinstance(arg, Conversation) else (
                 arg[1] if isinstance(arg, tuple) and isinstance(arg[1], Conversation) else None)
-            if work is not None:
-                self._abandon(work, policy.OutOfResources("serving the request", err))
+            if conversation is not None:
+                self._abandon(conversation, policy.OutOfResources("serving the request", err))
 
-    def _abandon(self, work: Conversation, refused: policy.Refused) -> None:
+    def _abandon(self, conversation: Conversation, refused: policy.Refused) -> None:
         """Answer a request that a shortage interrupted, wherever it was."""
-        if self._waiting.get(work.sock.fileno()) is work:
-            self._unwait(work)
+        if self._waiting.get(conversation.sock.fileno()) is conversation:
+            self._unwait(conversation)
         for queue in self._queued.values():
-            if work in queue:
-                queue.remove(work)
-        if work.job is not None and work.job.ctl.fileno() != -1:
-            work.job.send(go=0)
-        if not work.answered:
-            self._refuse(work, refused)
-        self._release(work)
+            if conversation in queue:
+                queue.remove(conversation)
+        if conversation.job is not None and conversation.job.ctl.fileno() != -1:
+            conversation.job.send(go=0)
+        if not conversation.answered:
+            self._refuse(conversation, refused)
+        self._release(conversation)
 
     def _accept(self) -> None:
         """One new connection a turn. Taking it reads its request and may start a
         helper, so a turn that took many would hold every mount already under way until
-        all of them were done: under bench.broker_chaos at the DaemonSet's 100m, one a
-        turn cut the neighbours' p99 (bench/README.md, the broker under chaos, "What cut
-        the tail"). A flood waits in the kernel's backlog, and the listener, still
-        readable, comes round again at once."""
+        all of them were done (bench/README.md, "The broker under chaos", says what one a
+        turn did to the neighbours' tail). A flood waits in the kernel's backlog, and the
+        listener, still readable, comes round again at once."""
         assert self._listener is not None
         try:
             sock, _ = self._listener.accept()
@@ -422,12 +422,12 @@ class Broker:
             return
         assert who is not None
         assert ticket is not None
-        work = Conversation(sock, who, time.monotonic() + REQUEST_DEADLINE, ticket=ticket)
-        work.fields.update(pid=who.pid, uid=who.uid, cgroup=who.container)
-        self._waiting[sock.fileno()] = work
+        conversation = Conversation(sock, who, time.monotonic() + REQUEST_DEADLINE, ticket=ticket)
+        conversation.fields.update(pid=who.pid, uid=who.uid, cgroup=who.container)
+        self._waiting[sock.fileno()] = conversation
         # The shim sends as soon as it connects, so the request is usually there
         # already: read it now rather than after another turn of the selector.
-        self._receive(work)
+        self._receive(conversation)
 
     def _refuse_at_accept(self, sock: socket.socket, who: callers.Caller | None,
                           refused: policy.Refused) -> None:
@@ -458,39 +458,39 @@ class Broker:
         logs.event(self.log, "broker.accept_paused", logging.WARNING,
                    reason=err.strerror or str(err), seconds=ACCEPT_PAUSE)
 
-    def _receive(self, work: Conversation) -> None:
+    def _receive(self, conversation: Conversation) -> None:
         try:
-            data = work.sock.recv(protocol.MAX_MESSAGE + 1)
+            data = conversation.sock.recv(protocol.MAX_MESSAGE + 1)
         except BlockingIOError:
-            if not work.watched:
-                self._selector.register(work.sock, selectors.EVENT_READ, work)
-                work.watched = True
+            if not conversation.watched:
+                self._selector.register(conversation.sock, selectors.EVENT_READ, conversation)
+                conversation.watched = True
             return
         except OSError:
             data = b""
-        self._unwait(work)
+        self._unwait(conversation)
         if not data:
-            self._drop(work)
+            self._drop(conversation)
             return
         if self.views is not None and lxcfs.asks(data):
-            self.views.request(work, data)
+            self.views.request(conversation, data)
             return
         try:
-            work.prepare(data, self.admission)
+            conversation.prepare(data, self.admission)
         except policy.Refused as refused:
             if isinstance(refused, policy.OutOfResources):
                 self._pause(refused.error)
-            self._refuse(work, refused)
+            self._refuse(conversation, refused)
             return
-        self._queued.setdefault(work.container, collections.deque()).append(work)
-        self._next(work.container)
+        self._queued.setdefault(conversation.container, collections.deque()).append(conversation)
+        self._next(conversation.container)
 
-    def _unwait(self, work: Conversation) -> None:
+    def _unwait(self, conversation: Conversation) -> None:
         """The connection leaves the selector: its request arrived, or it never will."""
-        if work.watched:
-            self._selector.unregister(work.sock)
-            work.watched = False
-        del self._waiting[work.sock.fileno()]
+        if conversation.watched:
+            self._selector.unregister(conversation.sock)
+            conversation.watched = False
+        del self._waiting[conversation.sock.fileno()]
 
     def _next(self, container: str) -> None:
         """Start the container's next request once none of its helpers is alive (a
@@ -500,34 +500,36 @@ class Broker:
         deadline."""
         queue = self._queued.get(container)
         while queue and not self._helper_alive(container) and self._pod_has_room(container):
-            work = queue.popleft()
+            conversation = queue.popleft()
             refused = self._helpers_full()
             if refused is not None:
-                self._refuse(work, refused)
+                self._refuse(conversation, refused)
                 continue
             try:
-                work.job = self._spawn(work)
+                conversation.job = self._spawn(conversation)
             except policy.Refused as uncharged:
                 if isinstance(uncharged, policy.OutOfResources):
                     self._pause(uncharged.error)
-                self._refuse(work, uncharged)
+                self._refuse(conversation, uncharged)
                 continue
             except frames.FrameError as err:
-                self._refuse(work, policy.Refused(
+                self._refuse(conversation, policy.Refused(
                     f"the request cannot be handed to the helper whole ({err}); it is "
                     "refused rather than cut", "request"))
                 continue
             except OSError as err:
                 if policy.out_of_resources(err):
                     self._pause(err)
-                    self._refuse(work, policy.OutOfResources(f"starting {HELPER_NAME}", err))
+                    self._refuse(conversation,
+                                 policy.OutOfResources(f"starting {HELPER_NAME}", err))
                 else:
-                    self._fail(work, HelperFailed(f"cannot start {HELPER_NAME}: "
+                    self._fail(conversation, HelperFailed(f"cannot start {HELPER_NAME}: "
                                                   f"{err.strerror or err}"))
                 continue
-            self._running[container] = work
-            self._selector.register(work.job.ctl, selectors.EVENT_READ, ("ctl", work))
-            self._selector.register(work.job.pidfd, selectors.EVENT_READ, ("exit", work))
+            self._running[container] = conversation
+            job = conversation.job
+            self._selector.register(job.ctl, selectors.EVENT_READ, ("ctl", conversation))
+            self._selector.register(job.pidfd, selectors.EVENT_READ, ("exit", conversation))
         if queue and self._blocked(container, time.monotonic()):
             blocked = policy.Refused(
                 "this container's last helper is blocked in the kernel (on a FUSE "
@@ -537,32 +539,33 @@ class Broker:
         if queue is not None and not queue:
             del self._queued[container]
 
-    def _spawn(self, work: Conversation) -> Job:
+    def _spawn(self, conversation: Conversation) -> Job:
         """The request's helper, in its caller's cgroups (``cgroups``): ``Refused`` if
         they cannot be opened or the caller has gone meanwhile."""
-        charge = self.charge.open(work.caller.pid)
+        charge = self.charge.open(conversation.caller.pid)
         try:
-            if charge and not work.caller.alive():  # the cgroups were its pid's, not a reuser's
-                raise policy.Refused(f"the calling process {work.caller.pid} has exited",
+            # The cgroups were its pid's, not a reuser's:
+            if charge and not conversation.caller.alive():
+                raise policy.Refused(f"the calling process {conversation.caller.pid} has exited",
                                      "caller")
-            return Job.start(self.helper, work.caller, work.request,
+            return Job.start(self.helper_binary, conversation.caller, conversation.request,
                              time.monotonic() + HELPER_DEADLINE, charge)
         finally:
             cgroups.close(charge)
 
     def _helper_alive(self, container: str) -> bool:
         return container in self._running or any(g.container == container
-                                                  for g in self._stuck)
+                                                  for g in self._exiting)
 
     def _blocked(self, container: str, now: float) -> bool:
         """A killed helper of this container still alive after the grace: stuck."""
         return any(g.container == container and g.job.killed_at is not None
-                   and now - g.job.killed_at >= KILL_GRACE for g in self._stuck)
+                   and now - g.job.killed_at >= KILL_GRACE for g in self._exiting)
 
     def _pod_has_room(self, container: str) -> bool:
         """Whether the container's pod has fewer than PER_POD_HELPERS helpers alive."""
         pod = policy.pod_of(container)
-        alive = [*self._running, *(g.container for g in self._stuck)]
+        alive = [*self._running, *(g.container for g in self._exiting)]
         return sum(1 for c in alive if policy.pod_of(c) == pod) < PER_POD_HELPERS
 
     def _wake_pod(self, container: str) -> None:
@@ -576,88 +579,89 @@ class Broker:
 
     def _helpers_full(self) -> policy.Refused | None:
         """The node's cap, reached only by more pods than --max-pods at their share."""
-        alive = len(self._running) + len(self._stuck)
+        alive = len(self._running) + len(self._exiting)
         if alive >= self.caps.helpers:
             return policy.Refused(f"the broker has {alive} helpers alive, "
                                   f"{PER_POD_HELPERS} for each of --max-pods "
                                   f"{self.caps.max_pods} pods; try again", "busy")
         return None
 
-    def _hear(self, work: Conversation) -> None:
-        job = work.job
-        if job is None or self._running.get(work.container) is not work:
+    def _hear(self, conversation: Conversation) -> None:
+        job = conversation.job
+        if job is None or self._running.get(conversation.container) is not conversation:
             return  # an event for a helper that was released earlier in this turn
         message = job.receive()
         if message is None:
             return
         try:
-            report = work.hear(message)
+            report = conversation.hear(message)
             if isinstance(report, Marked):
                 policy.allocated(report.mark, self._mark)
                 job.send(go=1)
             elif isinstance(report, MountFacts | UnmountFacts):
-                job.send(go=1, **work.verdict(report, self.records,
+                job.send(go=1, **conversation.verdict(report, self.records,
                                               self.settings.allow_other))
             elif isinstance(report, Built):
-                self._record(work, report)
+                self._record(conversation, report)
                 job.send(go=1)
             else:
-                self._succeed(work, report)
+                self._succeed(conversation, report)
             return
         except policy.Refused as refused:
             job.send(go=0)
-            self._refuse(work, refused)
+            self._refuse(conversation, refused)
         except HelperFailed as failed:
-            self._fail(work, failed)
-        self._release(work)
+            self._fail(conversation, failed)
+        self._release(conversation)
 
-    def _record(self, work: Conversation, built: Built) -> None:
+    def _record(self, conversation: Conversation, built: Built) -> None:
         """Crash-only records: the new mount is recorded while still detached
         (``Conversation.record``), in its slot's place in the count; a record the broker
         cannot write is no mount."""
-        record = work.record(built, self.records)
-        assert work.slot is not None, "a mount is admitted before its helper starts"
+        record = conversation.record(built, self.records)
+        assert conversation.slot is not None, "a mount is admitted before its helper starts"
         try:
-            self.admission.commit(work.slot, record)
+            self.admission.commit(conversation.slot, record)
         except OSError as err:
             if policy.out_of_resources(err):
                 self._pause(err)
             raise HelperFailed(f"cannot record the mount: {err.strerror or err}") from None
         self.mounts_held = self.records.by_container()
 
-    def _succeed(self, work: Conversation, done: Done) -> None:
-        work.done(done)
-        if work.unmounting is not None:
-            self.admission.unmounted(work.unmounting)
+    def _succeed(self, conversation: Conversation, done: Done) -> None:
+        conversation.done(done)
+        if conversation.unmounting is not None:
+            self.admission.unmounted(conversation.unmounting)
             self.mounts_held = self.records.by_container()
-        self.stats.served(work.request.op)
-        self._log(work, f"broker.{work.request.op}", logging.INFO)
-        self._reply(work, status="ok", mount_id=done.mount_id)
-        self._release(work)
+        self.stats.served(conversation.request.op)
+        self._log(conversation, f"broker.{conversation.request.op}", logging.INFO)
+        self._reply(conversation, status="ok", mount_id=done.mount_id)
+        self._release(conversation)
 
-    def _exited(self, work: Conversation) -> None:
+    def _exited(self, conversation: Conversation) -> None:
         """The helper's pidfd: it has exited. A request it had not finished fails."""
-        job = work.job
+        job = conversation.job
         if job is None:
             return
         message = job.receive()  # a last word it sent before exiting
-        if self._running.get(work.container) is work:
+        if self._running.get(conversation.container) is conversation:
             try:
-                report = work.hear(message or {"status": "exited"})
+                report = conversation.hear(message or {"status": "exited"})
                 if not isinstance(report, Done):
                     raise HelperFailed("the broker's helper exited without an answer")
-                self._succeed(work, report)
+                self._succeed(conversation, report)
                 return
             except policy.Refused as refused:
-                self._refuse(work, refused)
+                self._refuse(conversation, refused)
             except HelperFailed as failed:
-                self._fail(work, failed)
-            self._release(work)
+                self._fail(conversation, failed)
+            self._release(conversation)
 
-    def _release(self, work: Conversation) -> None:
-        """The request is answered: its helper leaves the loop (or, if it is stuck in the
-        kernel, waits among the stuck), and the container's next request may start."""
-        job = work.job
+    def _release(self, conversation: Conversation) -> None:
+        """The request is answered: its helper leaves the loop (or, until it has exited,
+        waits among the exiting: killed, and stuck if the kernel holds it past
+        KILL_GRACE), and the container's next request may start."""
+        job = conversation.job
         if job is not None:
             for fileobj in (job.ctl, job.pidfd):
                 with contextlib.suppress(KeyError, ValueError):
@@ -666,14 +670,14 @@ class Broker:
                 job.close()
             else:  # usually exiting already; its pidfd says when it is gone
                 job.kill()
-                gone = _Gone(work.container, job)
-                self._stuck.append(gone)
-                self._selector.register(job.pidfd, selectors.EVENT_READ, gone)
-            work.job = None
-        if self._running.get(work.container) is work:
-            del self._running[work.container]
-            self._next(work.container)
-            self._wake_pod(work.container)
+                exiting = _Exiting(conversation.container, job)
+                self._exiting.append(exiting)
+                self._selector.register(job.pidfd, selectors.EVENT_READ, exiting)
+            conversation.job = None
+        if self._running.get(conversation.container) is conversation:
+            del self._running[conversation.container]
+            self._next(conversation.container)
+            self._wake_pod(conversation.container)
 
     def _expire(self, now: float) -> None:
         if self._paused_until and now >= self._paused_until and self._listener is not None:
@@ -681,23 +685,23 @@ class Broker:
             self._selector.register(self._listener, selectors.EVENT_READ, "listen")
         # Soonest first, and no further than the first still in time (``_soonest``).
         while self._waiting:
-            work = next(iter(self._waiting.values()))
-            if work.deadline > now:
+            conversation = next(iter(self._waiting.values()))
+            if conversation.deadline > now:
                 break
-            self._unwait(work)
-            self._refuse(work, policy.Refused(
+            self._unwait(conversation)
+            self._refuse(conversation, policy.Refused(
                 f"no complete request within {REQUEST_DEADLINE:g}s", "request"))
         while self._running:
-            work = next(iter(self._running.values()))
-            if work.job is None or work.job.deadline > now:
+            conversation = next(iter(self._running.values()))
+            if conversation.job is None or conversation.job.deadline > now:
                 break
             self.stats.stalled()
-            logs.event(self.log, "broker.stalled", logging.WARNING, cgroup=work.container,
-                       pid=work.caller.pid, seconds=HELPER_DEADLINE)
-            self._fail(work, HelperFailed(f"the request did not finish within "
+            logs.event(self.log, "broker.stalled", logging.WARNING, cgroup=conversation.container,
+                       pid=conversation.caller.pid, seconds=HELPER_DEADLINE)
+            self._fail(conversation, HelperFailed(f"the request did not finish within "
                                           f"{HELPER_DEADLINE:g}s (a FUSE filesystem on the "
                                           "way may not be answering)"))
-            self._release(work)
+            self._release(conversation)
         self._reap_stuck(now)
         if self.views is not None:
             self.views.expire(now)
@@ -707,25 +711,25 @@ class Broker:
             self.admission.prune()
             self.mounts_held = self.records.by_container()
 
-    def _gone(self, gone: _Gone) -> None:
+    def _reap(self, exiting: _Exiting) -> None:
         """A released helper has exited: its container may have the next one."""
-        if gone in self._stuck:
-            self._stuck.remove(gone)
+        if exiting in self._exiting:
+            self._exiting.remove(exiting)
             with contextlib.suppress(KeyError, ValueError):
-                self._selector.unregister(gone.job.pidfd)
-            gone.job.close()
-        self._next(gone.container)
-        self._wake_pod(gone.container)
+                self._selector.unregister(exiting.job.pidfd)
+            exiting.job.close()
+        self._next(exiting.container)
+        self._wake_pod(exiting.container)
 
     def _reap_stuck(self, now: float) -> None:
         """Killed helpers that have not died are blocked in the kernel, which in a
         container means on one of its FUSE daemons: abort the connections the broker made
         for that container, which frees them, and say so; the container's waiting
         requests are answered "busy" meanwhile."""
-        for gone in list(self._stuck):
-            job, container = gone.job, gone.container
+        for exiting in list(self._exiting):
+            job, container = exiting.job, exiting.container
             if job.exited():
-                self._gone(gone)
+                self._reap(exiting)
             elif (not job.aborted and job.killed_at is not None
                   and now - job.killed_at >= KILL_GRACE):
                 job.aborted = True
@@ -738,47 +742,48 @@ class Broker:
 
     # -- answers -------------------------------------------------------------------------
 
-    def _refuse(self, work: Conversation, refused: policy.Refused,
+    def _refuse(self, conversation: Conversation, refused: policy.Refused,
                 retry: bool = False, later: bool = False) -> None:
         """``retry``: nothing of the request was done and the broker is going away; the
         shim asks the next one (protocol.RETRY_FIELD). ``later``: no lxcfs serves yet;
         the shim asks again within its wait (lxcfs.LATER_FIELD)."""
-        work.fields.update(reason=str(refused), kind=refused.kind)
+        conversation.fields.update(reason=str(refused), kind=refused.kind)
         if retry:
-            work.fields["retry"] = True
+            conversation.fields["retry"] = True
         self.stats.refused(refused.kind)
-        if self._budget.admit(work.container, refused.kind, str(refused), time.monotonic()):
-            self._log(work, "broker.refused", logging.WARNING)
-        self._reply(work, status="error", message=f"broker refused: {refused}",
+        if self._budget.admit(conversation.container, refused.kind, str(refused), time.monotonic()):
+            self._log(conversation, "broker.refused", logging.WARNING)
+        self._reply(conversation, status="error", message=f"broker refused: {refused}",
                     **({protocol.RETRY_FIELD: 1} if retry else {}),
                     **({lxcfs.LATER_FIELD: 1} if later else {}))
 
-    def _answer_lxcfs(self, work: Conversation, outcome: policy.Refused | str | None,
+    def _answer_lxcfs(self, conversation: Conversation, outcome: policy.Refused | str | None,
                       later: bool) -> None:
         """How an lxcfs request (lxcfs.Views) ended: bound, refused or failed."""
         if outcome is None:
             self.stats.served(lxcfs.OP)
-            self._log(work, "broker.lxcfs", logging.INFO)
-            self._reply(work, status="ok")
+            self._log(conversation, "broker.lxcfs", logging.INFO)
+            self._reply(conversation, status="ok")
         elif isinstance(outcome, policy.Refused):
             if isinstance(outcome, policy.OutOfResources):
                 self._pause(outcome.error)
-            self._refuse(work, outcome, later=later)
+            self._refuse(conversation, outcome, later=later)
         else:
-            self._fail(work, HelperFailed(outcome))
+            self._fail(conversation, HelperFailed(outcome))
 
-    def _fail(self, work: Conversation, failed: HelperFailed) -> None:
-        work.fields["reason"] = str(failed)
+    def _fail(self, conversation: Conversation, failed: HelperFailed) -> None:
+        conversation.fields["reason"] = str(failed)
         self.stats.failed()
-        if self._budget.admit(work.container, "failed", str(failed), time.monotonic()):
-            self._log(work, "broker.failed", logging.ERROR)
-        self._reply(work, status="error", message=f"broker: {failed}")
+        if self._budget.admit(conversation.container, "failed", str(failed), time.monotonic()):
+            self._log(conversation, "broker.failed", logging.ERROR)
+        self._reply(conversation, status="error", message=f"broker: {failed}")
 
-    def _log(self, work: Conversation, event: str, level: int) -> None:
+    def _log(self, conversation: Conversation, event: str, level: int) -> None:
         # Logged before the reply: whoever sees the answer can already find its line.
-        work.fields["duration_ms"] = round((time.perf_counter() - work.started) * 1000, 2)
+        took = time.perf_counter() - conversation.started
+        conversation.fields["duration_ms"] = round(took * 1000, 2)
         logs.event(self.log, event, level,
-                   **{k: budget.bounded(v) for k, v in work.fields.items()})
+                   **{k: budget.bounded(v) for k, v in conversation.fields.items()})
 
     def _summarise(self, now: float, everything: bool = False) -> None:
         """One line per container and kind whose refusals went unlogged this interval."""
@@ -788,27 +793,27 @@ class Broker:
                        suppressed=summary.suppressed, seconds=summary.seconds,
                        last_reason=budget.bounded(summary.reason))
 
-    def _reply(self, work: Conversation, **fields: object) -> None:
-        work.answered = True
-        self._end(work)
-        _answer(work.sock, protocol.encode(**fields))
-        work.caller.close()
+    def _reply(self, conversation: Conversation, **fields: object) -> None:
+        conversation.answered = True
+        self._end(conversation)
+        _answer(conversation.sock, protocol.encode(**fields))
+        conversation.caller.close()
 
-    def _drop(self, work: Conversation) -> None:
-        self._end(work)
-        work.sock.close()
-        work.caller.close()
+    def _drop(self, conversation: Conversation) -> None:
+        self._end(conversation)
+        conversation.sock.close()
+        conversation.caller.close()
 
-    def _end(self, work: Conversation) -> None:
+    def _end(self, conversation: Conversation) -> None:
         """Every request ends in ``_reply`` or ``_drop``, however it went (done, refused,
         failed, past its deadline, the broker stopping), so a mount's slot is given back
         here, once (a slot its record took counts as that record), and so is its place
         among the open requests, both before the answer: a caller that asks again on
         hearing it finds them free."""
-        self.admission.release(work.slot)
-        work.slot = None
-        self.open.release(work.ticket)
-        work.ticket = None
+        self.admission.release(conversation.slot)
+        conversation.slot = None
+        self.open.release(conversation.ticket)
+        conversation.ticket = None
 
 
 def _charge() -> cgroups.Charge:
@@ -828,7 +833,7 @@ def _charge() -> cgroups.Charge:
 
 def _urgency(data: object) -> int:
     """The order a turn serves what is ready in: helpers, then requests, then accepts."""
-    if isinstance(data, tuple | _Gone):
+    if isinstance(data, tuple | _Exiting):
         return 0
     return 2 if data == "listen" else 1
 

@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,7 +135,9 @@ class Lifecycle:
         self._stats = stats
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._turned = threading.Condition()
+        # Notified after every turn of the loop and when it stops: registered_within waits
+        # on it.
+        self.turned = threading.Condition()
         self._marks: set[Change] = set()
         self._marks_lock = threading.Lock()
         self._need_serve = True
@@ -187,15 +189,12 @@ class Lifecycle:
         return self._running and self._observer.is_alive() and \
             now - self.status.last_turn < STUCK_AFTER
 
-    def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
-        """Block until ``predicate()`` holds after one of the loop's turns, or time out."""
-        with self._turned:
-            return self._turned.wait_for(predicate, timeout)
-
     def registered_within(self, timeout: float) -> bool:
         """Whether the kubelet has accepted us, waiting up to ``timeout`` seconds for it
         (a successor's answer to an old plugin handing off); False once we stop."""
-        self.wait_until(lambda: self.status.registered or not self._running, timeout)
+        with self.turned:
+            self.turned.wait_for(lambda: self.status.registered or not self._running,
+                                 timeout)
         return self.status.registered and self._running
 
     # -- the loop ------------------------------------------------------------------
@@ -220,8 +219,8 @@ class Lifecycle:
                     self._safety_check()
                     next_safety = now + SAFETY_INTERVAL
                 self._turn(now)
-                with self._turned:
-                    self._turned.notify_all()
+                with self.turned:
+                    self.turned.notify_all()
                 deadline = next_safety
                 if self._retry_waits():
                     deadline = min(deadline, self._retry_at)
@@ -523,8 +522,8 @@ class Lifecycle:
             self._kubelet_changed()
 
     def _shutdown(self) -> None:
-        with self._turned:
-            self._turned.notify_all()  # Registered calls waiting on us: we stop
+        with self.turned:
+            self.turned.notify_all()  # Registered calls waiting on us: we stop
         self._end_handoff()
         self._observer.stop()
         self._cancel_register()

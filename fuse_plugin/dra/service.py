@@ -43,19 +43,13 @@ class Registered:
     """What the kubelet last said about our registration (for /readyz and the logs)."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self.registered = False
         self.error = ""
 
     def set(self, registered: bool, error: str) -> None:
-        with self._cond:
+        with self._lock:
             self.registered, self.error = registered, error
-            self._cond.notify_all()
-
-    def wait(self, timeout: float) -> bool:
-        """Until the kubelet has told us we are registered (tests and the demo)."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self.registered, timeout)
 
 
 class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):

@@ -163,9 +163,6 @@ class Installer:
         self._changed = threading.Event()
         self._stop = threading.Event()
         self._said: set[str] = set()
-        self._reports = threading.Condition()
-        self.passes = 0
-        self.last_report = Report()
 
     # -- one pass -------------------------------------------------------------------------
 
@@ -216,10 +213,6 @@ class Installer:
         logs.event(self.log, "profiles_synced", installed=len(report.installed),
                    unchanged=len(report.unchanged), rejected=len(report.rejected),
                    skipped=len(report.skipped))
-        with self._reports:
-            self.passes += 1
-            self.last_report = report
-            self._reports.notify_all()
         return report
 
     def _say_once(self, event: str, **fields: str) -> None:
@@ -361,14 +354,6 @@ class Installer:
     def stop(self) -> None:
         self._stop.set()
         self._changed.set()
-
-    def wait_for_pass(self, after: int, timeout: float) -> Report | None:
-        """Block until more than ``after`` passes have finished (for tests and callers that
-        need to know a change was applied); None on timeout."""
-        with self._reports:
-            if self._reports.wait_for(lambda: self.passes > after, timeout):
-                return self.last_report
-        return None
 
 
 class _Wake(FileSystemEventHandler):

@@ -26,6 +26,7 @@ from tests.kubelet.static_pods import (
     evidence,
     wait_registered,
 )
+from tests.lib.servers import sshd_config
 
 
 @pytest.fixture(scope="module")
@@ -94,19 +95,8 @@ def sshd(kube_node: Any) -> Iterator[dict[str, Any]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    (d / "sshd_config").write_text(f"""Port {port}
-ListenAddress 127.0.0.1
-HostKey {d}/hostkey
-PidFile none
-AuthorizedKeysFile {d}/authorized_keys
-PermitRootLogin prohibit-password
-PasswordAuthentication no
-KbdInteractiveAuthentication no
-UsePAM no
-StrictModes no
-Subsystem sftp internal-sftp
-LogLevel VERBOSE
-""")
+    (d / "sshd_config").write_text(sshd_config(port, d / "hostkey", d / "authorized_keys",
+                                               "none", "internal-sftp", "LogLevel VERBOSE"))
     Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation dir
     kube_node.spawn("sshd", ["/usr/sbin/sshd", "-D", "-e", "-f", str(d / "sshd_config")])
 

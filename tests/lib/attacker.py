@@ -68,7 +68,13 @@ VERSION = "2"
 
 
 def encode(fields: list[str]) -> bytes:
+    """A request as the shim sends it: ``key=value`` fields, each ended by a NUL."""
     return b"".join(f.encode() + b"\0" for f in fields)
+
+
+def fields_of(data: bytes) -> dict[str, str]:
+    """The broker's reply, read the same way (what is not ``key=value`` is passed over)."""
+    return dict(f.split("=", 1) for f in data.decode(errors="replace").split("\0") if "=" in f)
 
 
 def reply_of(sock: socket.socket) -> dict[str, Any]:
@@ -76,7 +82,7 @@ def reply_of(sock: socket.socket) -> dict[str, Any]:
         data = sock.recv(65536)
     except OSError as err:
         return {"status": "closed", "message": err.strerror or str(err)}
-    fields = dict(f.split("=", 1) for f in data.decode().split("\0") if "=" in f)
+    fields = fields_of(data)
     return {"status": fields.get("status", "closed"), "message": fields.get("message", ""),
             "mount_id": fields.get("mount_id", "")}
 
@@ -299,20 +305,26 @@ def cmd_keep(args: argparse.Namespace) -> None:
             due.append(time.monotonic() + (REFUSED_WITHIN if at_once else 0.0))
 
 
-def cmd_descriptors(args: argparse.Namespace) -> dict[str, Any]:
-    """A TCP socket whose close lingers (SO_LINGER, unacknowledged data to a peer that
-    never reads), attached to a request: whoever drops its last reference waits."""
+def lingering_tcp() -> tuple[socket.socket, socket.socket, socket.socket]:
+    """A listening socket, the peer it accepted and a TCP socket to it whose close
+    lingers an hour (SO_LINGER): its send buffer is full of data the peer never reads.
+    Whoever closes the last reference to it waits."""
     server = socket.create_server(("127.0.0.1", 0))
     tcp = socket.create_connection(server.getsockname())
     peer, _ = server.accept()
     peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     tcp.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 3600))
     tcp.setblocking(False)
-    try:
+    with contextlib.suppress(BlockingIOError):
         while True:
             tcp.send(b"x" * 65536)
-    except BlockingIOError:
-        pass
+    return server, peer, tcp
+
+
+def cmd_descriptors(args: argparse.Namespace) -> dict[str, Any]:
+    """A TCP socket whose close lingers (SO_LINGER, unacknowledged data to a peer that
+    never reads), attached to a request: whoever drops its last reference waits."""
+    server, peer, tcp = lingering_tcp()
     sock = connect()
     fields = encode([f"v={VERSION}", "op=mount", "path=/mnt", "fuse_fd=0"])
     try:

@@ -42,7 +42,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tests.lib import attacker
+else:  # in the container, beside it: the tenant's client of the broker's protocol
+    import attacker
 
 CLIENT_TIMEOUT = 30.0  # longer than any answer may take: past it, a request is unanswered
 SOCKET = ""
@@ -98,13 +103,13 @@ def _pick(ordered: list[float], q: float) -> float:
 
 
 def encode(fields: list[str]) -> bytes:
-    return b"".join(f.encode() + b"\0" for f in [f"v={VERSION}", *fields])
+    return attacker.encode([f"v={VERSION}", *fields])
 
 
 def decode(data: bytes) -> Reply:
     if not data:
         return Reply("closed")
-    fields = dict(f.split("=", 1) for f in data.decode(errors="replace").split("\0") if "=" in f)
+    fields = attacker.fields_of(data)
     return Reply(fields.get("status", "closed"), fields.get("message", ""),
                  fields.get("mount_id", ""))
 
@@ -155,12 +160,8 @@ def ask(tally: Tally, fields: list[str]) -> Reply:
         return tally.add(answer_of(sock), time.monotonic() - started)
 
 
-def open_fuse() -> int:
-    return os.open("/dev/fuse", os.O_RDWR)
-
-
 def mount_with_fuse(tally: Tally, path: str) -> tuple[Reply, int]:
-    fd = open_fuse()
+    fd = attacker.open_fuse()
     return ask(tally, ["op=mount", f"path={path}", f"fuse_fd={fd}"]), fd
 
 
@@ -338,15 +339,7 @@ def descriptors(seconds: float, n: int) -> dict[str, Any]:
     outcome: collections.Counter[str] = collections.Counter()
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        server = socket.create_server(("127.0.0.1", 0))
-        tcp = socket.create_connection(server.getsockname())
-        peer, _ = server.accept()
-        peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 3600))
-        tcp.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            while True:
-                tcp.send(b"x" * 65536)
+        server, peer, tcp = attacker.lingering_tcp()
         socks = open_many(tally, n)
         for sock, _ in socks:
             try:
@@ -408,8 +401,6 @@ def foreign(seconds: float, threads: int) -> dict[str, Any]:
     directory. A helper that took the file to look at it would block closing it (the
     first round left 1,600 such helpers and 3,215 broker descriptors): the helper must
     judge it from /proc without taking it."""
-    import attacker  # type: ignore[import-not-found]  # the toolkit's stub, beside this file
-
     tally, held = Tally(), Tally()
     base = f"/mnt/foreign-{os.getpid()}"
     os.makedirs(f"{base}/stub")

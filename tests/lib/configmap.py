@@ -1,20 +1,24 @@
 """The profile installer's surroundings: the kubelet's ConfigMap volume (with its
 atomic ``..data`` swap), this version's profiles as the ConfigMap carries them, the real
-apparmor_parser when installed, and a command's stderr read line by line with a
-deadline."""
+apparmor_parser when installed, the installer with each of its passes to wait on, and a
+command's stderr read line by line with a deadline."""
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from fuse_plugin import profiles
+from fuse_plugin.profiles.install import Installer, NodePaths, Report
 
 REAL_PARSER = shutil.which("apparmor_parser") or (
     "/usr/sbin/apparmor_parser" if Path("/usr/sbin/apparmor_parser").exists() else None)
@@ -53,6 +57,41 @@ class ConfigMapVolume:
                 link.unlink()
         if old:
             shutil.rmtree(self.root / old)
+
+
+class WatchedInstaller(Installer):
+    """The real installer, each of whose passes (``sync``) is an event a test can wait on:
+    ``wait_until``."""
+
+    def __init__(self, paths: NodePaths, log: logging.Logger, **options: Any) -> None:
+        super().__init__(paths, log, **options)
+        self._passed = threading.Condition()
+        self._passes = 0
+        self._last = Report()
+
+    def sync(self) -> Report:
+        report = super().sync()
+        with self._passed:
+            self._passes += 1
+            self._last = report
+            self._passed.notify_all()
+        return report
+
+    def wait_until(self, condition: Callable[[Report], bool]) -> Report:
+        """Wait pass by pass until a pass's report meets ``condition``, with a deadline."""
+        deadline = time.monotonic() + DEADLINE
+        seen = 0
+
+        def passed() -> bool:
+            return self._passes > seen
+
+        with self._passed:
+            while True:
+                moved = self._passed.wait_for(passed, max(0.0, deadline - time.monotonic()))
+                assert moved, "no installer pass met the condition before the deadline"
+                seen = self._passes
+                if condition(self._last):
+                    return self._last
 
 
 def all_profiles(**overrides: str) -> dict[str, bytes]:

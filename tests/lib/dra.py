@@ -1,12 +1,14 @@
 """The DRA driver under test: assembled in-process over real unix sockets and a real
 HTTP fake API server, with a device prober the test can flip, and a kubelet-side client
-for the two gRPC services."""
+for the two gRPC services; and the fixtures the DRA test modules share (a module takes
+one under the name its tests use: ``root = dra.short_root_fixture``)."""
 
 from __future__ import annotations
 
 import logging
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
 from fuse_plugin import logs
 from fuse_plugin.api import dra_pb2 as dra
@@ -24,9 +27,11 @@ from fuse_plugin.dra import driver
 from fuse_plugin.dra.claims import ApiClaims
 from fuse_plugin.dra.settings import DRIVER_NAME, DraSettings
 from fuse_plugin.dra.slices import LightkubeSlices
-from tests.lib.apiserver import FakeApiServer
+from tests.lib import apiserver
+from tests.lib.apiserver import FakeApiServer, claim
 
 NODE = "node-1"
+NS = "team-a"  # the namespace of the tests' claims
 RPC_TIMEOUT = 10.0
 
 
@@ -58,6 +63,29 @@ def short_root() -> Iterator[Path]:
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def short_root_fixture() -> Iterator[Path]:
+    """``short_root`` as a fixture."""
+    with short_root() as path:
+        yield path
+
+
+@pytest.fixture
+def node_api_fixture() -> Iterator[FakeApiServer]:
+    """The fake API server, holding this node's Node."""
+    with apiserver.running() as server:
+        server.add_node(NODE)
+        yield server
+
+
+def add_claim(api: FakeApiServer, name: str, **kwargs: Any) -> tuple[str, str, str]:
+    """A claim of this driver in NS, named ``name`` with a new uid (``apiserver.claim``'s
+    keywords); the (namespace, name, uid) the kubelet names it by."""
+    uid = str(uuid.uuid4())
+    api.add_claim(claim(NS, name, uid, DRIVER_NAME, **kwargs))
+    return NS, name, uid
 
 
 def settings_in(root: Path, **changes: Any) -> DraSettings:

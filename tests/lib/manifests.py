@@ -1,14 +1,18 @@
 """The manifests as the tests read them: every document of a file, one of a kind, a
-workload's pod spec, containers and hostPath volumes; and the Pod Security Standards
-(``baseline``, ``restricted``) checked the way admission checks them, each broken rule
-named."""
+workload's pod spec, containers and hostPath volumes; each document checked strictly
+against the Kubernetes schemas, and a directory as ``kubectl kustomize`` builds it; and
+the Pod Security Standards (``baseline``, ``restricted``) checked the way admission
+checks them, each broken rule named."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,6 +25,44 @@ Doc = dict[str, Any]
 
 def docs(path: Path) -> list[Doc]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def resource_files(directory: Path) -> list[Path]:
+    """The files a kustomization directory's resources may list: every ``*.yaml`` but
+    ``kustomization.yaml``."""
+    return sorted(p for p in directory.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def named_docs(*directories: Path) -> list[tuple[str, Doc]]:
+    """Every document of the directories' resource files, each named
+    ``FILE:Kind/name`` (FILE below manifests/), for test ids and failures."""
+    return [(f"{path.relative_to(MANIFESTS)}:{doc['kind']}/{doc['metadata']['name']}", doc)
+            for directory in directories for path in resource_files(directory)
+            for doc in docs(path)]
+
+
+def validate_strictly(doc: Doc, version: str, name: str = "") -> None:
+    """``doc`` against Kubernetes ``version``'s schema, strictly: unknown fields (a typo
+    such as ``readOnlyRootFileSystem``) fail too; the failure names the document and
+    the field's path."""
+    try:
+        kubernetes_validate.validate(doc, version, strict=True)
+    except kubernetes_validate.ValidationError as err:
+        name = name or f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+        pytest.fail(f"{name} does not validate against Kubernetes {version}: "
+                    f"{'.'.join(str(p) for p in err.path)}: {err.message}")
+
+
+def kustomize(directory: Path) -> list[Doc]:
+    """The documents ``kubectl kustomize DIRECTORY`` builds (the test skips without
+    kubectl, fails with kustomize's own error)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: `kubectl kustomize` not checked here")
+    built = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True,
+                           text=True, check=False, timeout=120)
+    assert built.returncode == 0, built.stderr
+    return [doc for doc in yaml.safe_load_all(built.stdout) if doc]
 
 
 def one(path: Path, kind: str) -> Doc:

@@ -111,6 +111,27 @@ class Moto:
         stop_process(self.proc)
 
 
+def sshd_config(port: int, host_key: Path, authorized_keys: Path, pid_file: str,
+                sftp: str = "internal-sftp", *extra: str) -> str:
+    """An sshd_config for the sshfs tests: on the loopback only, the test's keys only, root
+    by key and nothing else, no PAM; ``extra`` lines at the end."""
+    return "\n".join([
+        f"Port {port}",
+        f"ListenAddress {LOOPBACK}",
+        f"HostKey {host_key}",
+        f"AuthorizedKeysFile {authorized_keys}",
+        f"PidFile {pid_file}",
+        "PermitRootLogin prohibit-password",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",
+        "StrictModes no",  # the keys live in the tests' own directories (often under /tmp)
+        f"Subsystem sftp {sftp}",
+        *extra,
+        "",
+    ])
+
+
 class Sshd:
     """A private sshd on a free loopback port: its own host key, config and one
     authorized user key (root, key only), serving ``export`` over SFTP."""
@@ -147,20 +168,8 @@ class Sshd:
         for _attempt in range(3):
             self.port = free_port()
             config = self.workdir / "sshd_config"
-            config.write_text("\n".join([
-                f"Port {self.port}",
-                f"ListenAddress {LOOPBACK}",
-                f"HostKey {self.host_key}",
-                f"AuthorizedKeysFile {authorized}",
-                f"PidFile {self.workdir / 'sshd.pid'}",
-                "PermitRootLogin prohibit-password",
-                "PasswordAuthentication no",
-                "KbdInteractiveAuthentication no",
-                "UsePAM no",
-                "StrictModes no",  # the work dir lives under a sticky, world-writable /tmp
-                f"Subsystem sftp {sftp}",
-                "",
-            ]))
+            config.write_text(sshd_config(self.port, self.host_key, authorized,
+                                          str(self.workdir / "sshd.pid"), sftp))
             self.proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)],
                                          stdout=log, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + START_TIMEOUT

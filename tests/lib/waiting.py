@@ -1,5 +1,6 @@
-"""Waiting with a deadline, the two ways the tests wait: polling real state
-(``wait_for``), and waking on file-system events via inotify (``wait_until``)."""
+"""Waiting with a deadline, the three ways the tests wait: polling real state
+(``wait_for``), waking on file-system events via inotify (``wait_until``), and waking
+each time an in-process loop says it has moved on (``wait_notified``)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,11 @@ def wait_until(directory: Path, condition: Callable[[], bool], timeout: float = 
     finally:
         observer.stop()
         observer.join()
+
+
+def wait_notified(moved: threading.Condition, condition: Callable[[], bool],
+                  timeout: float = 10.0) -> bool:
+    """True once condition() holds, re-checked each time ``moved`` is notified (a loop
+    that notifies after every turn, as ``Lifecycle.turned``); False at the deadline."""
+    with moved:
+        return moved.wait_for(condition, timeout)

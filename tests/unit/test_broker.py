@@ -850,8 +850,8 @@ def test_the_brokers_probes_and_metrics(root: None, shim: Path, tmp_path: Path) 
 def test_a_turn_takes_one_new_connection(root: None, shim: Path, tmp_path: Path) -> None:
     """Taking a connection reads its request and may start a helper, so the loop takes
     one a turn: the helpers' reports of mounts under way are heard between any two
-    (what that did to the neighbours' p99: bench/README.md, the broker under chaos). Five
-    requests queued at once are answered one a turn, in order."""
+    (why, in figures: bench/README.md, "The broker under chaos"). Five requests queued at
+    once are answered one a turn, in order."""
     broker = Broker(BrokerSettings(directory=tmp_path / "dir", state=tmp_path / "state",
                                    lxcfs_dir=tmp_path / "lxcfs",
                                    shim=shim), logging.getLogger("test"))
@@ -893,13 +893,20 @@ def test_liveness_fails_when_the_loop_has_stopped_turning(tmp_path: Path) -> Non
 
 def test_a_caller_of_another_uid_is_alive_to_a_broker_without_cap_kill(root: None) -> None:
     """The DaemonSet grants no CAP_KILL, so signal 0 to a non-root caller answers EPERM:
-    that process is there (a kubelet stage caught every non-root caller refused)."""
+    that process is there (a kubelet stage caught every non-root caller refused). The
+    caller is asked once it says it runs as uid 1000 (before, it is still root's: the
+    check proved nothing, and a kill without CAP_KILL failed when it came after), and
+    ends when its stdin closes."""
     code = ("import os, subprocess, sys; from fuse_plugin.broker.caller import Caller\n"
             "p = subprocess.Popen(['setpriv', '--reuid=1000', '--regid=1000', "
-            "'--clear-groups', 'sleep', '30'])\n"
+            "'--clear-groups', sys.executable, '-c', "
+            "'import os, sys; print(os.getuid(), flush=True); sys.stdin.read()'], "
+            "stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)\n"
+            "assert p.stdout is not None and p.stdin is not None\n"
+            "assert p.stdout.readline() == '1000\\n'\n"
             "c = Caller(pid=p.pid, uid=1000, gid=1000, pidfd=os.pidfd_open(p.pid), "
             "container='')\n"
-            "alive = c.alive(); p.kill(); p.wait()\n"
+            "alive = c.alive(); p.stdin.close(); p.wait()\n"
             "print(alive, c.alive())")
     result = subprocess.run(["setpriv", "--inh-caps=-kill", "--bounding-set=-kill", "--",
                              sys.executable, "-c", code], capture_output=True, text=True,

@@ -69,7 +69,7 @@ def queue(loop: Broker, container: str) -> socket.socket:
 
 def stuck(loop: Broker, container: str, killed_at: float) -> StandInJob:
     job = StandInJob(killed_at)
-    loop._stuck.append(server._Gone(container, cast("Job", job)))  # what the loop uses
+    loop._exiting.append(server._Exiting(container, cast("Job", job)))  # what the loop uses
     return job
 
 
@@ -97,7 +97,7 @@ def test_once_it_has_exited_the_container_gets_its_next_helper(broker: Broker) -
     job = stuck(broker, "/pod/a", killed_at=time.monotonic())
     caller_end = queue(broker, "/pod/a")
     job.is_gone = True
-    broker._gone(broker._stuck[0])
+    broker._reap(broker._exiting[0])
     assert len(STARTED) == 1
     assert "cannot start fuse-broker-helper" in answer(caller_end)
 
@@ -138,7 +138,7 @@ def test_a_pods_requests_beyond_its_share_of_helpers_wait_for_its_own(
     assert len(STARTED) == 1
     assert "cannot start fuse-broker-helper" in answer(neighbour)
     first.is_gone = True
-    broker._gone(broker._stuck[0])
+    broker._reap(broker._exiting[0])
     assert len(STARTED) == 2
     assert "cannot start fuse-broker-helper" in answer(waiting)
     assert f"{POD}/c" not in broker._queued

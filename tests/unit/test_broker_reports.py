@@ -4,6 +4,8 @@ on a message it did not expect (an ``ok`` before ``facts`` would have been taken
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import pytest
 
 from fuse_plugin.broker import policy, reports
@@ -69,6 +71,36 @@ def test_a_connection_comes_from_the_superblocks_device(dev: str) -> None:
     assert reports.connection({"dev": "0:63"}) == 63
     with pytest.raises(HelperFailed, match="bad device"):
         reports.read(BUILT | {"dev": dev}, "mount", 2)
+
+
+# What each step reads, and so what ``native/helper.c`` sends at each of its say sites.
+READ = [
+    (MARK, "mount", 0, ("status", "mark_dev", "mark_root")),
+    (MOUNT_FACTS, "mount", 1, ("mount", "fstype", "mount_point", "shared", "mode", "owner",
+                               "writable", "uid", "gid")),
+    (BUILT, "mount", 2, ("dev",)),
+    (MOUNTED, "mount", 3, ("mnt_id", "dev", "options")),
+    (UNMOUNT_FACTS, "unmount", 1, ("mount", "fstype", "dev")),
+    ({"status": "ok", "mnt_id": "77"}, "unmount", 2, ("mnt_id",)),
+    ({"status": "refused", "message": "no", "kind": "path"}, "mount", 1, ("message", "kind")),
+    ({"status": "failed", "message": "no"}, "mount", 1, ("message",)),
+]
+
+
+@pytest.mark.parametrize(("message", "op", "step", "name"), [
+    (message, op, step, name) for message, op, step, names in READ for name in names])
+def test_a_report_without_a_field_its_step_reads_fails_naming_it(
+        message: dict[str, str], op: str, step: int, name: str) -> None:
+    """A missing field is never read as "" (an empty fstype or mark would be judged as
+    one): the request fails, and the reason names the field."""
+    whole: AbstractContextManager[object] = nullcontext()
+    if message["status"] in ("refused", "failed"):  # whole, the helper's own outcome
+        whole = pytest.raises((policy.Refused, HelperFailed), match=r"^no$")
+    with whole:
+        reports.read(message, op, step)
+    cut = {k: v for k, v in message.items() if k != name}
+    with pytest.raises(HelperFailed, match=f"report has no {name} field"):
+        reports.read(cut, op, step)
 
 
 def test_refusals_and_failures_are_raised_at_any_step() -> None:

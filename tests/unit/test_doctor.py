@@ -42,6 +42,7 @@ from tests.lib.doctor_tree import (
 from tests.lib.kubelet import KubeletStandIn
 from tests.lib.node import FakeNode
 from tests.lib.plugin import PluginProcess
+from tests.lib.waiting import wait_notified
 
 ALL_LINES = ["fuse filesystem", "fuse device", "fuse device mode", "device-plugin dir",
              "kubelet socket", "plugin socket", "apparmor", "apparmor profiles",
@@ -85,7 +86,8 @@ def fuse_plugin(directory: Path, device: Path, instance: str = "") -> Iterator[N
     settings = Settings(device_plugin_dir=directory, fuse_device=device, slots=4,
                         log_level="error", instance=instance)
     with plugin.in_background(settings, logs.get()) as running:
-        assert running.lifecycle.wait_until(running.lifecycle.owns_socket, 10), "never served"
+        assert wait_notified(running.lifecycle.turned, running.lifecycle.owns_socket), \
+            "never served"
         yield
 
 

@@ -10,15 +10,13 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from fuse_plugin.dra.settings import DRIVER_NAME
-from tests.lib import apiserver
 from tests.lib.apiserver import FakeApiServer
-from tests.lib.dra import NODE, Kubelet, settings_in, short_dir
+from tests.lib.dra import NODE, Kubelet, node_api_fixture, settings_in, short_dir
 from tests.lib.servers import stop_process
 from tests.lib.waiting import wait_for
 
@@ -59,11 +57,7 @@ def test_no_api_configuration_is_one_line_and_exit_1(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
-@pytest.fixture
-def api() -> Iterator[FakeApiServer]:
-    with apiserver.running() as server:
-        server.add_node(NODE)
-        yield server
+api = node_api_fixture
 
 
 def test_runs_registers_publishes_and_stops_on_sigterm(api: FakeApiServer,

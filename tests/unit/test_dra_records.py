@@ -12,42 +12,32 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from fuse_plugin.broker import protocol
 from fuse_plugin.dra import checkpoint
 from fuse_plugin.dra.settings import DRIVER_NAME
-from tests.lib import apiserver
 from tests.lib.apiserver import FakeApiServer, claim, opaque
-from tests.lib.dra import NODE, Kubelet, Rig, running_driver, settings_in, short_root
+from tests.lib.dra import (
+    NODE,
+    NS,
+    Kubelet,
+    Rig,
+    add_claim,
+    node_api_fixture,
+    running_driver,
+    settings_in,
+    short_root_fixture,
+)
+from tests.lib.probes import get
 from tests.lib.servers import free_port, stop_process
 from tests.lib.waiting import wait_for
-from tests.unit.test_dra_driver import probe
 
-NS = "team-a"
 PREFIX = f"{DRIVER_NAME}-fuse"
 
 
-@pytest.fixture
-def api() -> Iterator[FakeApiServer]:
-    with apiserver.running() as server:
-        server.add_node(NODE)
-        yield server
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    with short_root() as path:
-        yield path
-
-
-def add_claim(api: FakeApiServer, name: str, **kwargs: object) -> tuple[str, str, str]:
-    uid = str(uuid.uuid4())
-    api.add_claim(claim(NS, name, uid, DRIVER_NAME, **kwargs))  # type: ignore[arg-type]
-    return NS, name, uid
+api = node_api_fixture
+root = short_root_fixture
 
 
 def spec_path(rig: Rig, uid: str) -> Path:
@@ -291,7 +281,7 @@ def test_metrics_count_claims_by_outcome_and_the_claims_on_the_node(
         bad = add_claim(api, "refused", config=[opaque(DRIVER_NAME, {"mode": "x"})])
         rig.kubelet.prepare(good, bad)
         rig.kubelet.prepare(good)
-        status, text = probe(port, "/metrics")
+        status, text = get(port, "/metrics")
         assert status == 200
         lines = set(text.splitlines())
         assert 'fuse_dra_prepare_claims_total{outcome="prepared"} 1.0' in lines
@@ -301,7 +291,7 @@ def test_metrics_count_claims_by_outcome_and_the_claims_on_the_node(
         assert 'fuse_dra_prepare_seconds_count{outcome="prepared"} 1.0' in lines
         assert 'fuse_dra_slice_writes_total 1.0' in lines
         rig.kubelet.unprepare(good)
-        lines = set(probe(port, "/metrics")[1].splitlines())
+        lines = set(get(port, "/metrics")[1].splitlines())
         assert 'fuse_dra_claims_prepared 0.0' in lines
         assert 'fuse_dra_unprepare_claims_total{outcome="unprepared"} 1.0' in lines
 

@@ -21,16 +21,13 @@ from fuse_plugin.dra.settings import DRIVER_NAME
 from fuse_plugin.dra.slices import Publisher, slice_name
 from tests.lib import apiserver, waiting
 from tests.lib.apiserver import FakeApiServer
-from tests.lib.dra import NODE, FlipProber, running_driver, short_root
+from tests.lib.dra import NODE, FlipProber, running_driver, short_root_fixture
 
 NAME = slice_name(NODE, DRIVER_NAME)
 WAIT = 10.0
 
 
-@pytest.fixture
-def root() -> Iterator[Path]:
-    with short_root() as path:
-        yield path
+root = short_root_fixture
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from tests.lib.node import FakeNode
 from tests.lib.plugin import RESOURCE, PluginProcess, StartPlugin
 from tests.lib.probes import DEADLINE, get
 from tests.lib.servers import free_port
-from tests.lib.waiting import wait_for, wait_until
+from tests.lib.waiting import wait_for, wait_notified, wait_until
 
 SOCKET = "github.com_fuse.sock"
 # The plugin's RSS after a storm; it idles at ~36 MiB, and the storm that once grew it
@@ -493,5 +493,5 @@ def test_loop_rests_while_no_kubelet_is_there(tmp_path: Path) -> None:
         return turns > 50
 
     with plugin.in_background(settings, logs.get(), lambda _path: present) as running:
-        assert running.lifecycle.wait_until(running.lifecycle.owns_socket, 10)
-        assert not running.lifecycle.wait_until(count, 2.0), f"{turns} turns in 2 s"
+        assert wait_notified(running.lifecycle.turned, running.lifecycle.owns_socket)
+        assert not wait_notified(running.lifecycle.turned, count, 2.0), f"{turns} turns in 2 s"

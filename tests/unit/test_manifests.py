@@ -7,12 +7,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
 import uuid
 from pathlib import Path
 from types import ModuleType
 
-import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
@@ -31,8 +29,12 @@ from tests.lib.manifests import (
     containers,
     docs,
     host_paths,
+    kustomize,
+    named_docs,
     one,
     pod_spec,
+    resource_files,
+    validate_strictly,
 )
 
 SECCOMP_ROOT = "/var/lib/kubelet/seccomp"
@@ -48,31 +50,19 @@ def load_gen_manifests() -> ModuleType:
     return module
 
 
-def resource_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.glob("*.yaml") if p.name != "kustomization.yaml")
-
-
-def all_docs() -> list[tuple[str, Doc]]:
-    return [(f"{path.relative_to(MANIFESTS)}:{doc['kind']}/{doc['metadata']['name']}", doc)
-            for directory in (MANIFESTS, EXAMPLES) for path in resource_files(directory)
-            for doc in docs(path)]
-
-
 PLUGIN = one(MANIFESTS / "plugin-daemonset.yaml", "DaemonSet")
 INSTALLER = one(MANIFESTS / "profile-installer.yaml", "DaemonSet")
 
 
 # -- schemas -------------------------------------------------------------------------
 
+ALL_DOCS = named_docs(MANIFESTS, EXAMPLES)
+
+
 @pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize(("name", "doc"), all_docs(), ids=[n for n, _ in all_docs()])
+@pytest.mark.parametrize(("name", "doc"), ALL_DOCS, ids=[n for n, _ in ALL_DOCS])
 def test_every_manifest_validates_strictly(name: str, doc: Doc, version: str) -> None:
-    # strict: unknown fields (a typo such as `readOnlyRootFileSystem`) fail too.
-    try:
-        kubernetes_validate.validate(doc, version, strict=True)
-    except kubernetes_validate.ValidationError as err:
-        pytest.fail(f"{name} does not validate against Kubernetes {version}: "
-                    f"{'.'.join(str(p) for p in err.path)}: {err.message}")
+    validate_strictly(doc, version, name)
 
 
 @pytest.mark.parametrize("directory", [MANIFESTS, EXAMPLES], ids=["manifests", "examples"])
@@ -85,17 +75,11 @@ def test_kustomization_lists_every_resource_file(directory: Path) -> None:
 
 @pytest.mark.parametrize("directory", [MANIFESTS, EXAMPLES], ids=["manifests", "examples"])
 def test_kustomize_builds_and_the_result_validates(directory: Path) -> None:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed: `kubectl kustomize` not checked here")
-    built = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True,
-                           text=True, check=False, timeout=60)
-    assert built.returncode == 0, built.stderr
-    objects = [doc for doc in yaml.safe_load_all(built.stdout) if doc]
+    objects = kustomize(directory)
     assert objects
     for doc in objects:
         for version in VERSIONS:
-            kubernetes_validate.validate(doc, version, strict=True)
+            validate_strictly(doc, version)
         if doc["kind"] != "Namespace":
             assert doc["metadata"]["namespace"] == (
                 "fuse-device-plugin" if directory == MANIFESTS else "fuse-examples")

@@ -8,11 +8,9 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
@@ -30,9 +28,11 @@ from tests.lib.manifests import (
     containers,
     docs,
     host_paths,
+    kustomize,
     one,
     pod_spec,
     restricted_violations,
+    validate_strictly,
 )
 
 BROKER = MANIFESTS / "broker"
@@ -48,9 +48,6 @@ LXCFS = one(BROKER / "lxcfs-daemonset.yaml", "DaemonSet")
 def built_with_component(tmp_path: Path, how: str) -> list[Doc]:
     """manifests/ with the component: from a kustomization of one's own ("outside"), or
     with `kustomize edit add component broker` done in a copy of manifests/ ("inside")."""
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed: `kubectl kustomize` not checked here")
     if how == "outside":
         root = tmp_path
         (root / "kustomization.yaml").write_text(yaml.safe_dump({
@@ -62,10 +59,7 @@ def built_with_component(tmp_path: Path, how: str) -> list[Doc]:
         kustomization = yaml.safe_load((root / "kustomization.yaml").read_text())
         kustomization["components"] = ["broker"]
         (root / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    built = subprocess.run([kubectl, "kustomize", str(root)], capture_output=True,
-                           text=True, check=False, timeout=60)
-    assert built.returncode == 0, built.stderr
-    return [doc for doc in yaml.safe_load_all(built.stdout) if doc]
+    return kustomize(root)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -75,7 +69,7 @@ def built_with_component(tmp_path: Path, how: str) -> list[Doc]:
 def test_broker_manifests_validate_strictly(path: Path, version: str) -> None:
     for doc in docs(path):
         if doc.get("kind") != "Kustomization":
-            kubernetes_validate.validate(doc, version, strict=True)
+            validate_strictly(doc, version, f"{path.relative_to(BROKER)}:{doc['kind']}")
 
 
 @pytest.mark.parametrize("how", ["outside", "inside"])
@@ -83,7 +77,7 @@ def test_component_builds_onto_manifests_and_validates(tmp_path: Path, how: str)
     objects = built_with_component(tmp_path, how)
     for doc in objects:
         for version in VERSIONS:
-            kubernetes_validate.validate(doc, version, strict=True)
+            validate_strictly(doc, version)
     daemonsets = {d["metadata"]["name"]: d for d in objects if d["kind"] == "DaemonSet"}
     assert set(daemonsets) == {"fuse-device-plugin", "fuse-profile-installer",
                                "fuse-mount-broker", "fuse-lxcfs"}
@@ -285,13 +279,7 @@ def test_restricted_example_image_has_the_pods_user() -> None:
 
 
 def test_broker_examples_build_into_namespaces_of_their_level() -> None:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed: `kubectl kustomize` not checked here")
-    built = subprocess.run([kubectl, "kustomize", str(BROKER_EXAMPLES)], capture_output=True,
-                           text=True, check=False, timeout=60)
-    assert built.returncode == 0, built.stderr
-    objects = [doc for doc in yaml.safe_load_all(built.stdout) if doc]
+    objects = kustomize(BROKER_EXAMPLES)
     levels = {d["metadata"]["name"]: d["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
               for d in objects if d["kind"] == "Namespace"}
     pods = {d["metadata"]["name"]: d for d in objects if d["kind"] == "Pod"}
@@ -301,7 +289,7 @@ def test_broker_examples_build_into_namespaces_of_their_level() -> None:
     assert restricted_violations(pods["sshfs-restricted-example"]) == []
     for doc in objects:
         for version in VERSIONS:
-            kubernetes_validate.validate(doc, version, strict=True)
+            validate_strictly(doc, version)
 
 
 def _set(path: str, value: object) -> Callable[[Doc], None]:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import kubernetes_validate  # type: ignore[import-untyped]
@@ -26,11 +24,14 @@ from tests.lib.manifests import (
     MANIFESTS,
     Doc,
     containers,
-    docs,
     host_paths,
+    kustomize,
+    named_docs,
     one,
     pod_spec,
+    resource_files,
     restricted_violations,
+    validate_strictly,
 )
 
 DRA = MANIFESTS / "dra"
@@ -43,24 +44,13 @@ TEMPLATE = one(DRA_EXAMPLES / "claim-template.yaml", "ResourceClaimTemplate")
 POD = one(DRA_EXAMPLES / "sshfs-claim-pod.yaml", "Pod")
 
 
-def resource_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.glob("*.yaml") if p.name != "kustomization.yaml")
-
-
-def all_docs() -> list[tuple[str, Doc]]:
-    return [(f"{path.relative_to(MANIFESTS)}:{doc['kind']}/{doc['metadata']['name']}", doc)
-            for directory in (DRA, DRA_EXAMPLES) for path in resource_files(directory)
-            for doc in docs(path)]
+ALL_DOCS = named_docs(DRA, DRA_EXAMPLES)
 
 
 @pytest.mark.parametrize("version", DRA_VERSIONS)
-@pytest.mark.parametrize(("name", "doc"), all_docs(), ids=[n for n, _ in all_docs()])
+@pytest.mark.parametrize(("name", "doc"), ALL_DOCS, ids=[n for n, _ in ALL_DOCS])
 def test_every_manifest_validates_strictly(name: str, doc: Doc, version: str) -> None:
-    try:
-        kubernetes_validate.validate(doc, version, strict=True)
-    except kubernetes_validate.ValidationError as err:
-        pytest.fail(f"{name} does not validate against Kubernetes {version}: "
-                    f"{'.'.join(str(p) for p in err.path)}: {err.message}")
+    validate_strictly(doc, version, name)
 
 
 @pytest.mark.parametrize("directory", [DRA, DRA_EXAMPLES], ids=["dra", "examples"])
@@ -72,15 +62,10 @@ def test_kustomization_lists_every_resource_file(directory: Path) -> None:
 def built(tmp_path: Path, components: list[str]) -> list[Doc]:
     """manifests/ with the components, from a kustomization of one's own (the way the
     component's header gives)."""
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed: `kubectl kustomize` not checked here")
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
         "resources": [os.path.relpath(MANIFESTS, tmp_path)],
         "components": [os.path.relpath(MANIFESTS / c, tmp_path) for c in components]}))
-    out = subprocess.run([kubectl, "kustomize", str(tmp_path)], capture_output=True,
-                         text=True, check=True, timeout=120).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
+    return kustomize(tmp_path)
 
 
 @pytest.mark.parametrize("components", [["dra"], ["broker", "dra"]])

@@ -18,19 +18,19 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from fuse_plugin import files, logs, profiles
-from fuse_plugin.profiles.install import Installer, NodePaths, Report, loaded_profiles
+from fuse_plugin.profiles.install import Installer, NodePaths, loaded_profiles
 from tests.lib.configmap import (
     DEADLINE,
     REAL_PARSER,
     ConfigMapVolume,
     Lines,
+    WatchedInstaller,
     all_profiles,
     needs_parser,
 )
@@ -234,26 +234,14 @@ def test_writes_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 # -- watching -----------------------------------------------------------------------------
 
-def wait_until(installer: Installer, condition: Callable[[Report], bool]) -> Report:
-    """Wait pass by pass (each pass is an event) until ``condition``, with a deadline."""
-    deadline = time.monotonic() + DEADLINE
-    seen = 0
-    while True:
-        report = installer.wait_for_pass(seen, max(0.0, deadline - time.monotonic()))
-        assert report is not None, "no installer pass met the condition before the deadline"
-        seen = installer.passes
-        if condition(report):
-            return report
-
-
 @pytest.fixture
-def watching(node: Node, log: logging.Logger) -> Iterator[tuple[Node, Installer]]:
+def watching(node: Node, log: logging.Logger) -> Iterator[tuple[Node, WatchedInstaller]]:
     node.configmap.publish(all_profiles())
-    installer = Installer(node.paths, log, allow_custom=True)
+    installer = WatchedInstaller(node.paths, log, allow_custom=True)
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(installer.run()), daemon=True)
     thread.start()
-    wait_until(installer, lambda report: report.ok)
+    installer.wait_until(lambda report: report.ok)
     yield node, installer
     installer.stop()
     thread.join(DEADLINE)
@@ -262,17 +250,17 @@ def watching(node: Node, log: logging.Logger) -> Iterator[tuple[Node, Installer]
 
 
 @needs_parser
-def test_reloads_on_configmap_swap(watching: tuple[Node, Installer]) -> None:
+def test_reloads_on_configmap_swap(watching: tuple[Node, WatchedInstaller]) -> None:
     node, installer = watching
     narrowed = profiles.render_apparmor("sshfs", mountpoint="/mnt/remote")
     node.configmap.publish(all_profiles(**{SSHFS: narrowed}))
-    wait_until(installer, lambda _: node.installed(SSHFS) == narrowed.encode())
+    installer.wait_until(lambda _: node.installed(SSHFS) == narrowed.encode())
     if node.paths.apparmor_enabled.exists():
         assert node.loads().count(SSHFS) == 2, "the changed profile was loaded again"
         assert node.loads().count(S3FS) == 1, "unchanged profiles are not reloaded"
 
     node.configmap.publish(all_profiles(**{SSHFS: BROKEN_SSHFS}))
-    report = wait_until(installer, lambda r: SSHFS in r.rejected)
+    report = installer.wait_until(lambda r: SSHFS in r.rejected)
     assert "does not parse" in report.rejected[SSHFS]
     assert node.installed(SSHFS) == narrowed.encode()
     assert node.leftovers() == []
@@ -332,26 +320,26 @@ def test_a_recreated_source_is_found_and_watched_again(tmp_path: Path,
     installs what it holds and puts the watch back on it."""
     node = Node(tmp_path, kernel_apparmor=False)
     node.configmap.publish(all_profiles())
-    installer = Installer(node.paths, log, recheck=0.05)
+    installer = WatchedInstaller(node.paths, log, recheck=0.05)
     thread = threading.Thread(target=installer.run, daemon=True)
     thread.start()
     try:
-        wait_until(installer, lambda report: report.ok)
+        installer.wait_until(lambda report: report.ok)
         shutil.rmtree(node.configmap.root)
-        wait_until(installer, lambda report: str(node.configmap.root) in report.rejected)
+        installer.wait_until(lambda report: str(node.configmap.root) in report.rejected)
         node.configmap = ConfigMapVolume(node.configmap.root)
         narrowed = profiles.render_apparmor("s3fs", mountpoint="/mnt/s3")
         node.configmap.publish(all_profiles(**{S3FS: narrowed}))
-        wait_until(installer, lambda _: node.installed(S3FS) == narrowed.encode())
+        installer.wait_until(lambda _: node.installed(S3FS) == narrowed.encode())
 
         # From the next wait on, only the watch can see a change in time.
         installer.recheck = 3600.0
         narrower = profiles.render_apparmor("s3fs", mountpoint="/mnt/s3/a")
         node.configmap.publish(all_profiles(**{S3FS: narrower}))
-        wait_until(installer, lambda _: node.installed(S3FS) == narrower.encode())
+        installer.wait_until(lambda _: node.installed(S3FS) == narrower.encode())
         narrowest = profiles.render_apparmor("s3fs", mountpoint="/mnt/s3/b")
         node.configmap.publish(all_profiles(**{S3FS: narrowest}))
-        wait_until(installer, lambda _: node.installed(S3FS) == narrowest.encode())
+        installer.wait_until(lambda _: node.installed(S3FS) == narrowest.encode())
     finally:
         installer.stop()
         thread.join(DEADLINE)
