@@ -19,14 +19,25 @@ from tests.lib.plugin import PluginProcess, StartPlugin
 STAGES = {"containers": None, "kubelet": 1800, "cluster": 3000, "apparmor_vm": 1800}
 
 
+# The order stages run in: those that use scripts/warm-caches' builds (the stack, the
+# images, helm) last, so on a fresh machine they are built in the background meanwhile.
+ORDER = ("apparmor_vm", "unit", "containers", "kubelet", "cluster")
+
+
+def stage_of(item: pytest.Item) -> str:
+    try:
+        return item.path.relative_to(Path(__file__).parent).parts[0]
+    except ValueError:
+        return ""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test of a stage folder ``slow``, and give it the stage's timeout."""
-    here = Path(__file__).parent
+    """Run the stages in ORDER (each keeps its own order); mark every test of a stage
+    folder ``slow``, and give it the stage's timeout."""
+    items.sort(key=lambda item: ORDER.index(stage_of(item)) if stage_of(item) in ORDER
+               else len(ORDER))
     for item in items:
-        try:
-            stage = item.path.relative_to(here).parts[0]
-        except ValueError:
-            continue
+        stage = stage_of(item)
         if stage not in STAGES:
             continue
         item.add_marker(pytest.mark.slow)
