@@ -225,6 +225,18 @@ class PluginPodsSampler(Repeating):
         """The most nodes that had two plugin pods in one sample."""
         return max((sum(len(v) > 1 for v in s.values()) for s in self.samples), default=0)
 
+    def replaced(self) -> list[str]:
+        """The nodes in the order their pods first differed from the first sample's."""
+        first = self.samples[0] if self.samples else {}
+        seen: list[str] = []
+        for s in self.samples:
+            seen += [n for n, v in s.items() if v != first.get(n) and n not in seen]
+        return seen
+
+    def most_without(self) -> int:
+        """The most nodes that had no pod in one sample."""
+        return max((sum(not v for v in s.values()) for s in self.samples), default=0)
+
     def order(self) -> list[str]:
         """The nodes in the order their surge began."""
         seen: list[str] = []
@@ -425,10 +437,12 @@ def mounting_pod(servers: servermod.Servers, image: str,
                  name: str) -> dict[str, Any]:
     """manifests/broker/examples/sshfs-pod.yaml's pod (baseline, RuntimeDefault, no
     capability, its one FUSE line) as a pod that mounts, writes and reads a file of its
-    own through the mount, unmounts, and ends: `Succeeded` only if all of that worked."""
+    own through the mount, unmounts, and ends: `Succeeded` only if all of that worked.
+    The pods take turns between the nodes (`roll-N` on NODES[N % 2])."""
     pod = BASELINE.pod
     pod["metadata"] = {"name": name, "namespace": BROKER_NS}
     spec = pod["spec"]
+    spec["nodeSelector"] = {"kubernetes.io/hostname": NODES[int(name.rsplit("-", 1)[1]) % 2]}
     spec["restartPolicy"] = "Never"
     spec["terminationGracePeriodSeconds"] = 1
     [c] = spec["containers"]
@@ -476,13 +490,16 @@ def test_broker_rollout_goes_node_by_node_and_fails_no_mount(
         per_node = {n: sum(st.get("nodeName") == n for st in ended.values()) for n in NODES}
         proof = evidence(
             "two-nodes-broker-rollout", status, f"rollout restart took {took:.1f}s",
-            f"broker replacement order {sampler.order()}, samples {len(sampler.samples)}",
+            f"brokers replaced in the order {sampler.replaced()}, most nodes without a "
+            f"broker at once: {sampler.most_without()} ({len(sampler.samples)} samples)",
             f"{len(ended)} mounting pods created one a second, per node {per_node}: "
             f"{len(ended) - len(failed)} mounted, wrote, read and unmounted; failed: "
             f"{failed}", f"{len(waited)} met a restarting broker and waited: "
             f"{sorted(waited.values())[:3]}", *stream.errors)
         assert "successfully rolled out" in status, proof
         assert all(new[n]["metadata"]["uid"] != old[n] for n in NODES), proof
+        assert sorted(sampler.replaced()) == sorted(NODES), proof
+        assert sampler.most_without() <= 1, proof
         assert all(per_node.values()), proof
         assert not stream.errors, proof
         assert not failed, proof
