@@ -374,8 +374,7 @@ class Lifecycle:
         path = self.settings.socket_path
         self._stop_server()
         try:
-            if sockets.remove_stale(path):
-                logs.event(self._log, "socket.stale_removed", socket=str(path))
+            sockets.take_over(path, self._log)
         except sockets.InUse:
             if not self._in_use_logged:
                 logs.event(self._log, "socket.in_use", logging.WARNING, socket=str(path),

@@ -146,11 +146,9 @@ class DraServicer(dra_pb2_grpc.DRAPluginServicer):
 def _clear_stale(path: Path, log: logging.Logger) -> None:
     """Remove a socket a killed driver left; ``sockets.InUse`` when a process serves it."""
     try:
-        removed = sockets.remove_stale(path)
+        sockets.take_over(path, log)
     except OSError as err:
         raise Failure(f"cannot remove the stale socket {path}: {err.strerror}") from None
-    if removed:
-        logs.event(log, "socket.stale_removed", socket=str(path))
 
 
 def clear_other_instances(patterns: list[tuple[Path, str]], own: set[Path],
