@@ -31,7 +31,7 @@ import grpc
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from fuse_plugin import files, logs, sockets
+from fuse_plugin import files, grpc_unix, logs, sockets
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.config import API_VERSION, Settings, sibling_socket
@@ -386,12 +386,10 @@ class Lifecycle:
         except OSError as err:
             self._serve_failed(f"cannot remove stale {path}: {err.strerror}")
             return
-        server = grpc.server(self._executor, options=[("grpc.so_reuseport", 0)])
+        server = grpc_unix.server(self._executor)
         add_to_server(self.servicer, server)
         handoff.add_to_server(server, self.settings.resource_name, self.registered_within)
-        try:
-            server.add_insecure_port(f"unix://{path}")
-        except RuntimeError:
+        if not grpc_unix.bind(server, path):
             server.stop(None)
             where = path.parent
             reason = (f"{where} does not exist" if not where.is_dir()
