@@ -26,7 +26,7 @@ from pathlib import Path
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from fuse_plugin import http_port, logs
+from fuse_plugin import http_port, logs, readiness
 from fuse_plugin.devices import DeviceState, Health, Prober, probe
 from fuse_plugin.dra.claims import ClaimSource
 from fuse_plugin.dra.metrics import DraStats, State, exposition
@@ -159,17 +159,15 @@ class Driver:
         return True, "ok"
 
     def ready(self) -> tuple[bool, str]:
-        alive, reason = self.alive()
-        if not alive:
-            return False, reason
-        if not self.registered.registered:
-            return False, f"not registered with the kubelet {self.registered.error}".rstrip()
-        if self.state.health is not Health.HEALTHY:
-            return False, f"device unhealthy: {self.state.reason}"
+        return readiness.first_failing(
+            self.alive(), readiness.registered(self.registered.registered, self.registered.error),
+            readiness.device(self.state), self._published())
+
+    def _published(self) -> tuple[bool, str]:
         if self.publisher is not None and (self.publisher.published is None
                                            or self.publisher.last_error):
             return False, f"ResourceSlice not published {self.publisher.last_error}".rstrip()
-        return True, "ready"
+        return readiness.READY
 
 
     def metrics(self) -> bytes:
