@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -39,7 +38,7 @@ from fuse_plugin.deviceplugin import handoff
 from fuse_plugin.deviceplugin.servicer import WORKERS, FuseServicer, add_to_server
 from fuse_plugin.devices import DeviceState
 from fuse_plugin.stats import Stats
-from fuse_plugin.watches import DirectoryWatches
+from fuse_plugin.watches import DirectoryWatches, event_paths
 
 # How often the safety net re-checks sockets, the directory and the device.
 SAFETY_INTERVAL = 5.0
@@ -97,8 +96,7 @@ class _Events(FileSystemEventHandler):
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         settings = self._plugin.settings
-        dest = getattr(event, "dest_path", "") or ""
-        paths = {os.fsdecode(event.src_path), os.fsdecode(dest)}
+        paths = event_paths(event)
         # A device file changed, or a directory holding one came or went.
         if paths & self._plugin.device_watch:
             self._plugin.mark(Change.DEVICE)
@@ -108,7 +106,7 @@ class _Events(FileSystemEventHandler):
             self._plugin.mark(Change.SOCKET)
         if str(settings.device_plugin_dir) in paths and event.event_type != "modified":
             self._plugin.mark(Change.DIRECTORY)  # the directory itself went or came back
-        if any(self._is_sibling(Path(p)) for p in paths if p):
+        if any(self._is_sibling(Path(p)) for p in paths):
             self._plugin.mark(Change.SIBLING)
 
     def _is_sibling(self, path: Path) -> bool:

@@ -14,7 +14,6 @@ failed half-way.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -42,7 +41,7 @@ from fuse_plugin.dra.settings import DraSettings
 from fuse_plugin.dra.slices import ApiFailure, Publisher, SliceApi
 from fuse_plugin.errors import Failure
 from fuse_plugin.exposition import CONTENT_TYPE
-from fuse_plugin.watches import DirectoryWatches
+from fuse_plugin.watches import DirectoryWatches, event_paths
 
 JOIN_TIMEOUT = 15.0
 # The loop's heartbeat for /healthz: it wakes at least this often.
@@ -60,8 +59,7 @@ class _DeviceEvents(FileSystemEventHandler):
         self._wake = wake
 
     def on_any_event(self, event: FileSystemEvent) -> None:
-        dest = getattr(event, "dest_path", "") or ""
-        if self._paths & {os.fsdecode(event.src_path), os.fsdecode(dest)}:
+        if self._paths & event_paths(event):
             self._wake.set()
 
 
