@@ -13,7 +13,7 @@ import argparse
 import ipaddress
 import os
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -155,6 +155,24 @@ def add(parser: argparse.ArgumentParser, flag: str, kind: Parse, default: object
         extra["metavar"] = metavar
     parser.add_argument(flag, type=_checked(kind), default=value, **extra,  # type: ignore[arg-type]
                         help=f"{help_text} (env {env}; default: {default})")
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    """The fields every node daemon's settings hold (the plugin's, the broker's, the DRA
+    driver's), from ``add_log_flags``; each wing's dataclass adds its own after them."""
+
+    log_format: str = "text"
+    log_level: str = "info"
+
+
+@dataclass(frozen=True)
+class MetricsSettings(DaemonSettings):
+    """And the HTTP port of /metrics and the probes, --metrics-port and --metrics-address,
+    as the plugin and the broker name it (the DRA driver's is --probe-port, its own)."""
+
+    metrics_port: int = 0  # 0: off
+    metrics_address: str = "0.0.0.0"
 
 
 def add_log_flags(parser: argparse.ArgumentParser) -> None:

@@ -33,15 +33,11 @@ API_VERSION = "v1beta1"
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(args.MetricsSettings):
     device_plugin_dir: Path = DEFAULT_DEVICE_PLUGIN_DIR
     resource_name: str = DEFAULT_RESOURCE_NAME
     fuse_device: Path = DEFAULT_FUSE_DEVICE
     slots: int = DEFAULT_SLOTS
-    log_format: str = "text"
-    log_level: str = "info"
-    metrics_port: int = 0
-    metrics_address: str = "0.0.0.0"
     cdi: bool = False
     cdi_dir: Path = DEFAULT_CDI_DIR
     broker_dir: Path | None = None

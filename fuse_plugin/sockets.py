@@ -4,11 +4,14 @@ and the plugin's sockets) tell a serving socket from a stale file."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from fuse_plugin import logs
 
 CONNECT_TIMEOUT = 1.0
 # sockaddr_un.sun_path holds 108 bytes including the NUL: the one limit on a unix
@@ -77,3 +80,12 @@ def remove_stale(path: Path, kind: int = socket.SOCK_STREAM) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def take_over(path: Path, log: logging.Logger) -> None:
+    """``remove_stale`` for a gRPC socket the plugin or the DRA driver is about to bind,
+    with the one line (``socket.stale_removed``) that says a killed predecessor's file
+    went. Raises ``InUse`` and OSError as ``remove_stale`` does; what they mean is the
+    wing's to say (the plugin waits, the driver refuses to start)."""
+    if remove_stale(path):
+        logs.event(log, "socket.stale_removed", socket=str(path))

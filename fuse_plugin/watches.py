@@ -24,6 +24,13 @@ from watchdog.observers.api import BaseObserver, ObservedWatch
 from fuse_plugin import files, logs
 
 
+def event_paths(event: FileSystemEvent) -> set[str]:
+    """The paths an event names, as text: its source, and a move's destination (watchdog
+    gives bytes or str, and a destination only on a move)."""
+    dest = getattr(event, "dest_path", "") or ""
+    return {os.fsdecode(path) for path in (event.src_path, dest) if path}
+
+
 class DirectoryWatches:
     """One non-recursive watch per directory, all sending events to one handler."""
 

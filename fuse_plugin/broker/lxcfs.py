@@ -45,6 +45,7 @@ from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker import policy, protocol
 from fuse_plugin.broker.conversation import Conversation
 from fuse_plugin.broker.lxcfs_records import Consumer, ConsumerRecords
+from fuse_plugin.broker.node import take_over
 
 OP = "lxcfs"
 TOOL_NAME = "fuse-broker-lxcfs"
@@ -152,10 +153,10 @@ class Views:
         directory.mkdir(parents=True, exist_ok=True)
         directory.chmod(0o700)
         path = directory / SOCKET_NAME
-        if path.is_socket():
-            if sockets.serving(path, socket.SOCK_SEQPACKET):
-                raise OSError(f"another broker is serving lxcfs on {path}")
-            path.unlink()
+        try:
+            take_over(path)
+        except sockets.InUse:
+            raise OSError(f"another broker is serving lxcfs on {path}") from None
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(str(path))
         os.chmod(path, 0o600)

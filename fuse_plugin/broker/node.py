@@ -1,12 +1,14 @@
 """What the broker sets up on the node itself: the shim where Allocate binds it from,
-and the FUSE connections' control files (fusectl; ``records.abort`` uses them)."""
+its sockets' paths taken over from a killed broker, and the FUSE connections' control
+files (fusectl; ``records.abort`` uses them)."""
 
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
-from fuse_plugin import files
+from fuse_plugin import files, sockets
 from fuse_plugin.broker import kernel, protocol, records
 
 
@@ -25,6 +27,14 @@ def install_shim(directory: Path, shim: bytes) -> Path:
     if files.read_or_none(path) != shim:
         files.write_atomic(path, shim, 0o755)
     return path
+
+
+def take_over(path: Path) -> None:
+    """Remove the socket a killed broker left at ``path`` (the loop's or lxcfs's) by
+    ``sockets.remove_stale``, which raises ``sockets.InUse`` when a broker serves it.
+    Only a socket is taken: anything else at the path fails the bind, as it did."""
+    if path.is_socket():
+        sockets.remove_stale(path, socket.SOCK_SEQPACKET)
 
 
 def ensure_fusectl() -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from fuse_plugin import http_port
 from fuse_plugin.exposition import CONTENT_TYPE, Exposition
-from fuse_plugin.http_port import TEXT, Answer, HttpPort
+from fuse_plugin.http_port import Answer, HttpPort
 
 if TYPE_CHECKING:
     from fuse_plugin.broker.server import Broker
@@ -25,18 +25,17 @@ STUCK_AFTER = 10.0
 PREFIX = "fuse_mount_broker"
 
 
-def health(broker: Broker) -> Answer:
+def health(broker: Broker) -> tuple[bool, str]:
     idle = time.monotonic() - broker.turned
     if idle > STUCK_AFTER:
-        return HTTPStatus.SERVICE_UNAVAILABLE, f"the loop has not turned for {idle:.0f}s\n" \
-            .encode(), TEXT
-    return HTTPStatus.OK, b"ok\n", TEXT
+        return False, f"the loop has not turned for {idle:.0f}s"
+    return True, "ok"
 
 
-def readiness(broker: Broker) -> Answer:
+def readiness(broker: Broker) -> tuple[bool, str]:
     if broker.serving:
-        return HTTPStatus.OK, b"ready\n", TEXT
-    return HTTPStatus.SERVICE_UNAVAILABLE, b"not serving on its socket\n", TEXT
+        return True, "ready"
+    return False, "not serving on its socket"
 
 
 def exposition(broker: Broker) -> Answer:
@@ -62,8 +61,8 @@ def exposition(broker: Broker) -> Answer:
 def serve_probes(broker: Broker, settings: BrokerSettings, log: logging.Logger
                  ) -> contextlib.AbstractContextManager[HttpPort]:
     """/healthz, /readyz and /metrics, served until the block ends."""
-    return http_port.serving({"/healthz": lambda: health(broker),
-                              "/readyz": lambda: readiness(broker),
+    return http_port.serving({"/healthz": http_port.probe(lambda: health(broker)),
+                              "/readyz": http_port.probe(lambda: readiness(broker)),
                               "/metrics": lambda: exposition(broker)},
                              settings.metrics_address, settings.metrics_port,
                              name="metrics", log=log)

@@ -201,10 +201,10 @@ class Broker:
 
     def _listen(self) -> None:
         path = self.socket_path
-        if path.is_socket():
-            if sockets.serving(path, socket.SOCK_SEQPACKET):
-                raise Failure(f"another broker is serving on {path}")
-            path.unlink()  # left by a broker that was killed
+        try:
+            node.take_over(path)
+        except sockets.InUse:
+            raise Failure(f"another broker is serving on {path}") from None
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # Before bind: connections inherit it, so no client can queue a descriptor.
         try:

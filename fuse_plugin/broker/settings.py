@@ -19,7 +19,7 @@ DEFAULT_MAX_MOUNTS_POD = 64  # a pod's share of the node's mounts (policy.pod_of
 
 
 @dataclass(frozen=True)
-class BrokerSettings:
+class BrokerSettings(flags.MetricsSettings):
     directory: Path = DEFAULT_DIR
     state: Path = DEFAULT_STATE
     shim: Path = DEFAULT_SHIM
@@ -29,10 +29,6 @@ class BrokerSettings:
     max_mounts_pod: int = DEFAULT_MAX_MOUNTS_POD
     max_pods: int = DEFAULT_MAX_PODS
     allow_other: bool = False
-    metrics_port: int = 0
-    metrics_address: str = "0.0.0.0"
-    log_format: str = "text"
-    log_level: str = "info"
 
     @property
     def caps(self) -> NodeCaps:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -31,7 +30,7 @@ import grpc
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from fuse_plugin import files, logs, sockets
+from fuse_plugin import files, grpc_unix, logs, sockets
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.api import api_pb2_grpc
 from fuse_plugin.config import API_VERSION, Settings, sibling_socket
@@ -39,7 +38,7 @@ from fuse_plugin.deviceplugin import handoff
 from fuse_plugin.deviceplugin.servicer import WORKERS, FuseServicer, add_to_server
 from fuse_plugin.devices import DeviceState
 from fuse_plugin.stats import Stats
-from fuse_plugin.watches import DirectoryWatches
+from fuse_plugin.watches import DirectoryWatches, event_paths
 
 # How often the safety net re-checks sockets, the directory and the device.
 SAFETY_INTERVAL = 5.0
@@ -97,8 +96,7 @@ class _Events(FileSystemEventHandler):
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         settings = self._plugin.settings
-        dest = getattr(event, "dest_path", "") or ""
-        paths = {os.fsdecode(event.src_path), os.fsdecode(dest)}
+        paths = event_paths(event)
         # A device file changed, or a directory holding one came or went.
         if paths & self._plugin.device_watch:
             self._plugin.mark(Change.DEVICE)
@@ -108,7 +106,7 @@ class _Events(FileSystemEventHandler):
             self._plugin.mark(Change.SOCKET)
         if str(settings.device_plugin_dir) in paths and event.event_type != "modified":
             self._plugin.mark(Change.DIRECTORY)  # the directory itself went or came back
-        if any(self._is_sibling(Path(p)) for p in paths if p):
+        if any(self._is_sibling(Path(p)) for p in paths):
             self._plugin.mark(Change.SIBLING)
 
     def _is_sibling(self, path: Path) -> bool:
@@ -374,8 +372,7 @@ class Lifecycle:
         path = self.settings.socket_path
         self._stop_server()
         try:
-            if sockets.remove_stale(path):
-                logs.event(self._log, "socket.stale_removed", socket=str(path))
+            sockets.take_over(path, self._log)
         except sockets.InUse:
             if not self._in_use_logged:
                 logs.event(self._log, "socket.in_use", logging.WARNING, socket=str(path),
@@ -387,12 +384,10 @@ class Lifecycle:
         except OSError as err:
             self._serve_failed(f"cannot remove stale {path}: {err.strerror}")
             return
-        server = grpc.server(self._executor, options=[("grpc.so_reuseport", 0)])
+        server = grpc_unix.server(self._executor)
         add_to_server(self.servicer, server)
         handoff.add_to_server(server, self.settings.resource_name, self.registered_within)
-        try:
-            server.add_insecure_port(f"unix://{path}")
-        except RuntimeError:
+        if not grpc_unix.bind(server, path):
             server.stop(None)
             where = path.parent
             reason = (f"{where} does not exist" if not where.is_dir()

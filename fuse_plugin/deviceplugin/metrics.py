@@ -18,11 +18,11 @@ import contextlib
 import logging
 from http import HTTPStatus
 
-from fuse_plugin import http_port
+from fuse_plugin import http_port, readiness
 from fuse_plugin.deviceplugin.lifecycle import Lifecycle
 from fuse_plugin.devices import Health
 from fuse_plugin.exposition import CONTENT_TYPE, Exposition
-from fuse_plugin.http_port import TEXT, Answer
+from fuse_plugin.http_port import Answer
 from fuse_plugin.stats import Stats
 
 PREFIX = "fuse_device_plugin"
@@ -61,11 +61,12 @@ def _readiness(lifecycle: Lifecycle) -> tuple[bool, str]:
     if not status.serving or not lifecycle.owns_socket():
         reason = f": {status.last_error}" if status.last_error else ""
         return False, f"not serving: our socket is not up{reason}"
-    if not status.registered:
-        return False, f"not registered with the kubelet {status.last_error}".rstrip()
-    if lifecycle.state.health is not Health.HEALTHY:
-        return False, f"device unhealthy: {lifecycle.state.reason}"
-    return True, "ready"
+    return readiness.first_failing(readiness.registered(status.registered, status.last_error),
+                                   readiness.device(lifecycle.state))
+
+
+def _liveness(lifecycle: Lifecycle) -> tuple[bool, str]:
+    return (True, "ok") if lifecycle.alive() else (False, "loop stopped or stuck")
 
 
 def serving(lifecycle: Lifecycle, stats: Stats, address: str, port: int,
@@ -80,10 +81,5 @@ def _routes(lifecycle: Lifecycle, stats: Stats) -> dict[str, http_port.Route]:
     def metrics() -> Answer:
         return HTTPStatus.OK, exposition(lifecycle, stats), CONTENT_TYPE
 
-    def healthz() -> Answer:
-        if lifecycle.alive():
-            return HTTPStatus.OK, b"ok\n", TEXT
-        return HTTPStatus.SERVICE_UNAVAILABLE, b"loop stopped or stuck\n", TEXT
-
-    return {"/metrics": metrics, "/healthz": healthz,
+    return {"/metrics": metrics, "/healthz": http_port.probe(lambda: _liveness(lifecycle)),
             "/readyz": http_port.probe(lambda: _readiness(lifecycle))}

@@ -14,7 +14,6 @@ failed half-way.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ from pathlib import Path
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from fuse_plugin import http_port, logs
+from fuse_plugin import http_port, logs, readiness
 from fuse_plugin.devices import DeviceState, Health, Prober, probe
 from fuse_plugin.dra.claims import ClaimSource
 from fuse_plugin.dra.metrics import DraStats, State, exposition
@@ -42,7 +41,7 @@ from fuse_plugin.dra.settings import DraSettings
 from fuse_plugin.dra.slices import ApiFailure, Publisher, SliceApi
 from fuse_plugin.errors import Failure
 from fuse_plugin.exposition import CONTENT_TYPE
-from fuse_plugin.watches import DirectoryWatches
+from fuse_plugin.watches import DirectoryWatches, event_paths
 
 JOIN_TIMEOUT = 15.0
 # The loop's heartbeat for /healthz: it wakes at least this often.
@@ -60,8 +59,7 @@ class _DeviceEvents(FileSystemEventHandler):
         self._wake = wake
 
     def on_any_event(self, event: FileSystemEvent) -> None:
-        dest = getattr(event, "dest_path", "") or ""
-        if self._paths & {os.fsdecode(event.src_path), os.fsdecode(dest)}:
+        if self._paths & event_paths(event):
             self._wake.set()
 
 
@@ -159,17 +157,15 @@ class Driver:
         return True, "ok"
 
     def ready(self) -> tuple[bool, str]:
-        alive, reason = self.alive()
-        if not alive:
-            return False, reason
-        if not self.registered.registered:
-            return False, f"not registered with the kubelet {self.registered.error}".rstrip()
-        if self.state.health is not Health.HEALTHY:
-            return False, f"device unhealthy: {self.state.reason}"
+        return readiness.first_failing(
+            self.alive(), readiness.registered(self.registered.registered, self.registered.error),
+            readiness.device(self.state), self._published())
+
+    def _published(self) -> tuple[bool, str]:
         if self.publisher is not None and (self.publisher.published is None
                                            or self.publisher.last_error):
             return False, f"ResourceSlice not published {self.publisher.last_error}".rstrip()
-        return True, "ready"
+        return readiness.READY
 
 
     def metrics(self) -> bytes:

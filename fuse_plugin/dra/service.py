@@ -24,7 +24,7 @@ from pathlib import Path
 
 import grpc
 
-from fuse_plugin import logs, sockets
+from fuse_plugin import grpc_unix, logs, sockets
 from fuse_plugin.api import dra_pb2 as dra
 from fuse_plugin.api import dra_pb2_grpc, pluginregistration_pb2_grpc
 from fuse_plugin.api import pluginregistration_pb2 as reg
@@ -146,11 +146,9 @@ class DraServicer(dra_pb2_grpc.DRAPluginServicer):
 def _clear_stale(path: Path, log: logging.Logger) -> None:
     """Remove a socket a killed driver left; ``sockets.InUse`` when a process serves it."""
     try:
-        removed = sockets.remove_stale(path)
+        sockets.take_over(path, log)
     except OSError as err:
         raise Failure(f"cannot remove the stale socket {path}: {err.strerror}") from None
-    if removed:
-        logs.event(log, "socket.stale_removed", socket=str(path))
 
 
 def clear_other_instances(patterns: list[tuple[Path, str]], own: set[Path],
@@ -175,7 +173,7 @@ class Sockets:
         self._log = log
         self._executor = concurrent.futures.ThreadPoolExecutor(WORKERS,
                                                                thread_name_prefix="dra")
-        self._server = grpc.server(self._executor, options=[("grpc.so_reuseport", 0)])
+        self._server = grpc_unix.server(self._executor)
         dra_pb2_grpc.add_DRAPluginServicer_to_server(dra_servicer, self._server)
         pluginregistration_pb2_grpc.add_RegistrationServicer_to_server(reg_servicer,
                                                                       self._server)
@@ -193,10 +191,8 @@ class Sockets:
             except sockets.InUse:
                 raise Failure(f"another process serves {path}: is a second driver running "
                               "on this node?") from None
-            try:
-                self._server.add_insecure_port(f"unix://{path}")
-            except RuntimeError:
-                raise Failure(f"cannot bind {path}") from None
+            if not grpc_unix.bind(self._server, path):
+                raise Failure(f"cannot bind {path}")
         self._server.start()
         logs.event(self._log, "serving", service=str(self.service),
                    registration=str(self.registration))

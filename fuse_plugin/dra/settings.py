@@ -35,7 +35,7 @@ DRIVER_NAME_MAX = 63
 
 
 @dataclass(frozen=True)
-class DraSettings:
+class DraSettings(args.DaemonSettings):
     node_name: str = ""
     driver_name: str = DRIVER_NAME
     plugins_dir: Path = DEFAULT_PLUGINS_DIR
@@ -50,8 +50,6 @@ class DraSettings:
     instance: str = ""
     probe_port: int = 0
     probe_address: str = "0.0.0.0"
-    log_format: str = "text"
-    log_level: str = "info"
 
     @property
     def service_socket(self) -> Path:
