@@ -284,6 +284,15 @@ def fuse_pod(name: str, image: str, namespace: str) -> dict[str, Any]:
     }
 
 
+def device_check_pod(name: str, image: str, namespace: str) -> dict[str, Any]:
+    """A pod asking for `github.com/fuse: 1` that ends at once, `Succeeded` if it has
+    /dev/fuse."""
+    pod = fuse_pod(name, image, namespace)
+    pod["spec"]["restartPolicy"] = "Never"
+    pod["spec"]["containers"][0]["command"] = ["/bin/sh", "-c", "test -c /dev/fuse"]
+    return pod
+
+
 class PodEverySecond(Repeating):
     """A pod asking for `github.com/fuse: 1` created every second in ``namespace`` on a
     thread (through the API, no kubectl process each), each ending at once: by default
@@ -294,15 +303,9 @@ class PodEverySecond(Repeating):
                  make: Callable[[str], dict[str, Any]] | None = None) -> None:
         super().__init__(1.0, "pods")
         self.api, self.image, self.namespace = api, image, namespace
-        self.make = make or self._sees_the_device
+        self.make = make or (lambda name: device_check_pod(name, image, namespace))
         self.names: list[str] = []
         self.errors: list[str] = []
-
-    def _sees_the_device(self, name: str) -> dict[str, Any]:
-        pod = fuse_pod(name, self.image, self.namespace)
-        pod["spec"]["restartPolicy"] = "Never"
-        pod["spec"]["containers"][0]["command"] = ["/bin/sh", "-c", "test -c /dev/fuse"]
-        return pod
 
     def step(self) -> None:
         name = f"roll-{len(self.names)}"

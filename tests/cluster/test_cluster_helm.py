@@ -1,13 +1,13 @@
-"""The Helm chart on the one-machine cluster, as docs/operability.md ("Install, upgrade
-and uninstall with Helm") tells a user: `helm install` in the default mode and a FUSE pod
+"""The Helm chart on a two-node cluster, as docs/operability.md ("Install, upgrade and
+uninstall with Helm") tells a user: `helm install` in the default mode and a FUSE pod
 (manifests/examples/sshfs-pod.yaml) reading its sshfs mount every 200 ms; `helm upgrade
 --reset-then-reuse-values --set mode=broker` with the pod still reading and a FUSE pod
-created every second throughout (none may be rejected), and a capability-less pod
-mounting through the broker; `helm rollback` to the default mode, the pod still reading;
-`helm uninstall`, after which nothing of ours is left in the API: no object the release
-rendered, none labelled part-of fuse-device-plugin, no release record, and the node
-serves no `github.com/fuse`. A cluster of its own: nothing is deployed with kustomize
-here.
+created every second throughout (none may be rejected; each DaemonSet rolls node by
+node), and a capability-less pod mounting through the broker; `helm rollback` to the
+default mode, the pod still reading; `helm uninstall`, after which nothing of ours is
+left in the API: no object the release rendered, none labelled part-of
+fuse-device-plugin, no release record, and the node serves no `github.com/fuse`. A
+cluster of its own: nothing is deployed with kustomize here.
 
 helm is scripts/build-helm's (v4.3.1 from the Go module proxy, cached)."""
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,6 +48,8 @@ from tests.cluster.sshfs_example import SSHFS_POD, apply_sshfs_example, delete_s
 from tests.cluster.test_cluster_broker import BASELINE, wait_example_mounted
 from tests.kubelet.node import wait_for
 
+# Two nodes, as an upgrade meets them: each DaemonSet rolls node by node.
+CLUSTER_NODES = 2
 CHART = REPO / "charts" / "fuse-device-plugin"
 BUILD_HELM = REPO / "scripts" / "build-helm"
 RELEASE = "fuse-device-plugin"
@@ -209,6 +212,7 @@ def test_install_upgrade_rollback_uninstall_with_a_pod_reading_throughout(
     # FUSE pod created every second throughout.
     stream, rejected = upgrade_with_a_pod_every_second(
         helm, kubectl, api, images["WORKLOAD_IMAGE"], "--set=mode=broker")
+    per_node = Counter(p["spec"].get("nodeName") for p in api.pods(STREAM_NS))
     upgraded = daemonsets(api)
     broker_env = [e for e in plugin_env(api) if e["name"] == BROKER_ENV]
     after_upgrade = more_reads(kubectl, at_install)
@@ -251,7 +255,8 @@ def test_install_upgrade_rollback_uninstall_with_a_pod_reading_throughout(
         f"installed (default mode): DaemonSets {installed}; reader {at_install} (ok, FAIL)",
         f"upgraded to broker mode: DaemonSets {upgraded}, plugin env {broker_env}; "
         f"reader {after_upgrade}; a baseline pod mounted through the broker: {via_broker}",
-        f"{len(stream.names)} FUSE pods created one a second through the upgrade: "
+        f"{len(stream.names)} FUSE pods created one a second through the upgrade, per node "
+        f"{per_node}: "
         f"{len(stream.names) - len(rejected)} Succeeded, rejected: {rejected}", *stream.errors,
         f"rolled back: DaemonSets {rolled_back}, plugin broker env {env_back}; "
         f"reader {after_rollback}; the file still reads {still!r}",

@@ -33,6 +33,7 @@ from tests.cluster.kube import (
     RESOURCE,
     SLOTS_ENV,
     PodEverySecond,
+    device_check_pod,
     events_text,
     evidence,
     exec_in,
@@ -433,16 +434,22 @@ def broker_on_both(cluster: Cluster, kubectl: Kubectl, api: Api, images: dict[st
                 "--ignore-not-found", "--wait=true", timeout=180)
 
 
+def taking_turns(pod: dict[str, Any]) -> dict[str, Any]:
+    """The pod of a PodEverySecond (`roll-N`) bound for NODES[N % 2]: the scheduler may
+    put a stream all on one node, and a rollout test needs pods on each."""
+    n = int(pod["metadata"]["name"].rsplit("-", 1)[1])
+    pod["spec"]["nodeSelector"] = {"kubernetes.io/hostname": NODES[n % len(NODES)]}
+    return pod
+
+
 def mounting_pod(servers: servermod.Servers, image: str,
                  name: str) -> dict[str, Any]:
     """manifests/broker/examples/sshfs-pod.yaml's pod (baseline, RuntimeDefault, no
     capability, its one FUSE line) as a pod that mounts, writes and reads a file of its
-    own through the mount, unmounts, and ends: `Succeeded` only if all of that worked.
-    The pods take turns between the nodes (`roll-N` on NODES[N % 2])."""
+    own through the mount, unmounts, and ends: `Succeeded` only if all of that worked."""
     pod = BASELINE.pod
     pod["metadata"] = {"name": name, "namespace": BROKER_NS}
     spec = pod["spec"]
-    spec["nodeSelector"] = {"kubernetes.io/hostname": NODES[int(name.rsplit("-", 1)[1]) % 2]}
     spec["restartPolicy"] = "Never"
     spec["terminationGracePeriodSeconds"] = 1
     [c] = spec["containers"]
@@ -474,7 +481,9 @@ def test_broker_rollout_goes_node_by_node_and_fails_no_mount(
         "stringData": {"id_ed25519": servers.client_key,
                        "known_hosts": f"{servers.sshd_ip} {servers.host_key_pub}\n"}}))
     old = {n: p["metadata"]["uid"] for n, p in broker_on_both.items()}
-    make = functools.partial(mounting_pod, servers, images["EXAMPLE_SSHFS_IMAGE"])
+    def make(name: str) -> dict[str, Any]:
+        return taking_turns(mounting_pod(servers, images["EXAMPLE_SSHFS_IMAGE"], name))
+
     try:
         stream = PodEverySecond(api, "", BROKER_NS, make)
         status, new, took, sampler = restart_with_pods(kubectl, api, stream, BROKER_DS,
@@ -544,3 +553,48 @@ def test_each_nodes_dra_driver_publishes_its_own_slice(
                        f"{[d['name'] for d in s['spec'].get('devices') or []]}"
                        for n, s in slices.items()))
     assert all(s["spec"]["pool"]["name"] == n for n, s in slices.items()), proof
+
+
+DRA_ROLL_NS = "fdp-e2e-two-dra-rollout"
+
+
+def test_driver_rollout_goes_node_by_node_and_fails_no_pod(
+        dra_on_both: dict[str, dict[str, Any]], kubectl: Kubectl, api: Api,
+        images: dict[str, str]) -> None:
+    """Under DRA, `kubectl rollout restart` of the driver on two nodes with a pod asking
+    `github.com/fuse: 1` (the DeviceClass's extended resource) created every second
+    throughout: each node's driver replaced, and every pod, on either node, prepared and
+    `Succeeded`, none with a FailedPrepareDynamicResources event."""
+    kubectl(*APPLY, "-f", "-", stdin=json.dumps(
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": DRA_ROLL_NS}}))
+    old = {n: p["metadata"]["uid"] for n, p in dra_on_both.items()}
+    try:
+        stream = PodEverySecond(api, "", DRA_ROLL_NS, lambda name: taking_turns(
+            device_check_pod(name, images["WORKLOAD_IMAGE"], DRA_ROLL_NS)))
+        status, new, took, sampler = restart_with_pods(kubectl, api, stream, DRIVER_DS,
+                                                       DRIVER_SELECTOR)
+        ended = stream.phases()
+        failed = {n: st.get("message", "") for n, st in ended.items()
+                  if st.get("phase") != "Succeeded"}
+        waited = [f"{n}: {e.get('message', '')}" for n in ended
+                  for e in api.events(DRA_ROLL_NS, n)
+                  if e.get("reason") == "FailedPrepareDynamicResources"]
+        per_node = {n: sum(st.get("nodeName") == n for st in ended.values()) for n in NODES}
+        proof = evidence(
+            "two-nodes-dra-rollout", status, f"rollout restart took {took:.1f}s",
+            f"drivers replaced in the order {sampler.replaced()}, surging on at most "
+            f"{sampler.surging_at_once()} node at once ({len(sampler.samples)} samples)",
+            f"{len(ended)} FUSE pods created one a second, per node {per_node}: "
+            f"{len(ended) - len(failed)} Succeeded, failed: {failed}",
+            f"FailedPrepareDynamicResources events: {len(waited)}", *waited[:3],
+            *stream.errors)
+        assert "successfully rolled out" in status, proof
+        assert all(new[n]["metadata"]["uid"] != old[n] for n in NODES), proof
+        assert sorted(sampler.replaced()) == sorted(NODES), proof
+        assert all(per_node.values()), proof
+        assert not stream.errors, proof
+        assert not failed, proof
+        assert not waited, proof
+    finally:
+        kubectl("delete", "namespace", DRA_ROLL_NS, "--ignore-not-found", "--wait=true",
+                timeout=180)
