@@ -5,9 +5,11 @@ change them), `kubectl apply -k`, and waits on the API's reports with deadlines.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import re
 import shutil
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -295,6 +297,11 @@ def device_check_pod(name: str, image: str, namespace: str) -> dict[str, Any]:
     return pod
 
 
+def _timestamp(text: str) -> float:
+    """An API timestamp (RFC 3339, UTC) in seconds since the epoch."""
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
 class PodEverySecond(Repeating):
     """A pod asking for `github.com/fuse: 1` created every second in ``namespace`` on a
     thread (through the API, no kubectl process each), each ending at once: by default
@@ -308,6 +315,8 @@ class PodEverySecond(Repeating):
         self.make = make or (lambda name: device_check_pod(name, image, namespace))
         self.names: list[str] = []
         self.errors: list[str] = []
+        self.created: dict[str, str] = {}
+        self.ended: dict[str, dict[str, Any]] = {}
 
     def step(self) -> None:
         name = f"roll-{len(self.names)}"
@@ -329,7 +338,26 @@ class PodEverySecond(Repeating):
         found: dict[str, dict[str, Any]] = wait_for(
             ended, 180, f"the {len(self.names)} rollout pods to end", interval=1,
             detail=lambda: "\n".join(pod_summary(p) for p in self.api.pods(self.namespace)))
+        self.created = {p["metadata"]["name"]: p["metadata"]["creationTimestamp"]
+                        for p in self.api.pods(self.namespace)}
+        self.ended = found
         return found
+
+    def longest_wait(self) -> str:
+        """After ``phases()``: the pod that waited longest from its creation to its
+        container's start, as a line (the API's timestamps are whole seconds)."""
+        waits: dict[str, float] = {}
+        for name, status in self.ended.items():
+            for c in status.get("containerStatuses") or []:
+                started = (c.get("state", {}).get("terminated") or {}).get("startedAt")
+                if started and name in self.created:
+                    waits[name] = (_timestamp(started) - _timestamp(self.created[name]))
+        if not waits:
+            return "longest wait of a new pod: none started"
+        name = max(waits, key=lambda n: waits[n])
+        median = statistics.median(waits.values())
+        return (f"longest wait of a new pod (created to its container started, whole "
+                f"seconds): {name} {waits[name]:.0f} s; median {median:.0f} s")
 
 
 # ---------------------------------------------------------------- rollouts with pods

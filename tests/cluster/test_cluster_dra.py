@@ -671,6 +671,7 @@ def test_driver_rollout_serves_every_new_pod_without_waiting_for_registration(
             f"replaced on {sampler.replaced()}, {len(sampler.samples)} samples",
             f"{len(stream.names)} FUSE pods created one a second: "
             f"{len(stream.names) - len(failed)} Succeeded, failed: {failed}", *stream.errors,
+            stream.longest_wait(),
             f"not served through a DRA claim: {not_dra}",
             f"FailedPrepareDynamicResources events: {len(waited)}", *waited[:3],
             f"the node authorizer's lag (retried by the kubelet): {len(lag)}", *lag[:3])

@@ -101,6 +101,7 @@ class Switched:
     rejected: dict[str, str]  # pod -> why, for pods that did not succeed
     errors: list[str]  # pods the API would not create
     last_by_dra: dict[str, bool]  # the three pods made after the switch
+    longest_wait: str  # PodEverySecond.longest_wait's line
 
 
 def to_dra_with_pods(kubectl: Kubectl, api: Api, image: str) -> Switched:
@@ -119,7 +120,8 @@ def to_dra_with_pods(kubectl: Kubectl, api: Api, image: str) -> Switched:
     return Switched(
         lines, took, len(ended),
         {n: st.get("message", "") for n, st in ended.items() if st.get("phase") != "Succeeded"},
-        stream.errors, {n: served_by_dra({"status": ended[n]}) for n in stream.names[-3:]})
+        stream.errors, {n: served_by_dra({"status": ended[n]}) for n in stream.names[-3:]},
+        stream.longest_wait())
 
 
 def test_device_plugin_to_dra_and_back_with_a_pod_reading_throughout(
@@ -168,7 +170,7 @@ def test_device_plugin_to_dra_and_back_with_a_pod_reading_throughout(
             f"to DRA in {switch.took:.1f}s, the node then {gone}:", *switch.lines,
             f"{switch.made} FUSE pods created one a second through the switch: "
             f"{switch.made - len(switch.rejected)} Succeeded, rejected: {switch.rejected}",
-            *switch.errors,
+            *switch.errors, switch.longest_wait,
             f"the last three, created after it, served by DRA: {switch.last_by_dra}",
             f"on-dra: DRA claim {served_by_dra(on_dra)}, specs {[p.name for p in dra_specs]}",
             f"on-plugin: DRA claim {served_by_dra(on_plugin)}; on-dra meanwhile: {still}",

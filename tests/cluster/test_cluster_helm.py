@@ -275,11 +275,13 @@ def test_install_upgrade_rollback_uninstall_with_a_pod_reading_throughout(
         f"upgraded to this version: {len(to_this.names)} FUSE pods created one a second: "
         f"{len(to_this.names) - len(version_rejected)} Succeeded, rejected: "
         f"{version_rejected}; reader {at_version}", *to_this.errors,
+        to_this.longest_wait(),
         f"upgraded to broker mode: DaemonSets {upgraded}, plugin env {broker_env}; "
         f"reader {after_upgrade}; a baseline pod mounted through the broker: {via_broker}",
         f"{len(stream.names)} FUSE pods created one a second through the upgrade, per node "
         f"{per_node}: "
         f"{len(stream.names) - len(rejected)} Succeeded, rejected: {rejected}", *stream.errors,
+        stream.longest_wait(),
         f"rolled back: DaemonSets {rolled_back}, plugin broker env {env_back}; "
         f"reader {after_rollback}; the file still reads {still!r}",
         "history: " + ", ".join(f"{h['revision']} {h['chart']} {h['status']} "

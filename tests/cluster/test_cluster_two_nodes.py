@@ -222,7 +222,8 @@ def test_rollout_goes_node_by_node_and_rejects_no_fuse_pod(
             f"surge order {sampler.order()}, most nodes surging at once: "
             f"{sampler.surging_at_once()} ({len(sampler.samples)} samples)",
             f"{len(ended)} FUSE pods created one a second, per node {per_node}: "
-            f"{len(ended) - len(rejected)} Succeeded, rejected: {rejected}", *stream.errors)
+            f"{len(ended) - len(rejected)} Succeeded, rejected: {rejected}", *stream.errors,
+            stream.longest_wait())
         assert "successfully rolled out" in status, proof
         assert all(new[n]["metadata"]["uid"] != old[n] for n in NODES), proof
         assert sorted(sampler.order()) == sorted(NODES), proof
@@ -430,7 +431,7 @@ def test_broker_rollout_goes_node_by_node_and_fails_no_mount(
             f"{len(ended)} mounting pods created one a second, per node {per_node}: "
             f"{len(ended) - len(failed)} mounted, wrote, read and unmounted; failed: "
             f"{failed}", f"{len(waited)} met a restarting broker and waited: "
-            f"{sorted(waited.values())[:3]}", *stream.errors)
+            f"{sorted(waited.values())[:3]}", *stream.errors, stream.longest_wait())
         assert "successfully rolled out" in status, proof
         assert all(new[n]["metadata"]["uid"] != old[n] for n in NODES), proof
         assert sorted(sampler.replaced()) == sorted(NODES), proof
@@ -514,7 +515,7 @@ def test_driver_rollout_goes_node_by_node_and_fails_no_pod(
             f"not served through a DRA claim: {not_dra}",
             f"FailedPrepareDynamicResources events: {len(waited)}", *waited[:3],
             f"the node authorizer's lag (retried by the kubelet): {len(lag)}", *lag[:3],
-            *stream.errors)
+            *stream.errors, stream.longest_wait())
         assert "successfully rolled out" in status, proof
         assert all(new[n]["metadata"]["uid"] != old[n] for n in NODES), proof
         assert sorted(sampler.replaced()) == sorted(NODES), proof
