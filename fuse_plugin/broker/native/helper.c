@@ -23,6 +23,7 @@
  *   helper: built         the new, still detached, mount's connection (its device)
  *   broker: ANSWER        go=1 once that connection is recorded (else go=0)
  *   helper: the result    the new mount's id, connection and line, or failed=
+ * Every message's fields are declared in fuse_plugin/broker/messages.py.
  *
  * What no message can switch off (a request cut short must not lose them): the
  * walk and every check run with the caller's uid, gid and groups, and never look inside
@@ -83,8 +84,15 @@
 #define NO_WALK "fuse,fuse.,fuseblk,fuseblk.,autofs"
 /* Where Allocate binds the broker's directory in a container. */
 #define BROKER_DIR "/run/fuse-broker"
-#define REQUEST_FIELDS "op path uid gid groups fuse_fd"
-#define VERDICT_FIELDS "go source subtype max_read flags attrs"
+/* Each message from the broker: the fields it may have, then those it must have, as
+ * fuse_plugin/broker/messages.py declares them (its Request, and the answers ANSWERS
+ * allows to each report; tests/unit/test_broker_messages.py keeps them equal, and this
+ * program's say sites equal its reports). */
+#define REQUEST_FIELDS "op path uid gid groups fuse_fd", "op path uid gid groups"
+#define ANSWER_TO_MARK "go", "go"
+#define ANSWER_TO_MOUNT_FACTS "go source subtype max_read flags attrs", "go"
+#define ANSWER_TO_UNMOUNT_FACTS "go lazy", "go"
+#define ANSWER_TO_BUILT "go", "go"
 
 /* The new mount API and friends (uapi values; one number on every architecture). */
 #define SYS_move_mount_ 429
@@ -115,7 +123,6 @@
 #define STATX_MODE 0x2
 #define STATX_UID 0x8
 #define STATX_MNT_ID 0x1000
-#define STATX_ATTR_MOUNT_ROOT 0x2000
 #define UMOUNT_NOFOLLOW_ 0x8
 #define FUSE_MAJOR 10
 #define FUSE_MINOR 229
@@ -690,7 +697,7 @@ static void present_mark(const struct table *t)
 
 	say("status", "mark", "mark_dev", mark ? mark->dev : "", "mark_root",
 	    mark ? mark->root : "", NULL);
-	hear(buf, ANSWER, "go", "go", &answer);
+	hear(buf, ANSWER, ANSWER_TO_MARK, &answer);
 	if (strcmp(get(&answer, "go"), "1") != 0)
 		_exit(0);
 }
@@ -1130,7 +1137,7 @@ static void announce_and_attach(int mnt, int target, uid_t uid, gid_t gid)
 	new_mount_device(mnt, uid, gid, &st);
 	snprintf(dev, sizeof(dev), "%u:%u", st.stx_dev_major, st.stx_dev_minor);
 	say("status", "built", "dev", dev, NULL);
-	hear(buf, ANSWER, "go", "go", &answer);
+	hear(buf, ANSWER, ANSWER_TO_BUILT, &answer);
 	if (strcmp(get(&answer, "go"), "1") != 0)
 		_exit(0);
 	if (syscall(SYS_move_mount_, mnt, "", target, "",
@@ -1174,13 +1181,13 @@ static void verify(int proc, int mnt, const struct fields *v, uid_t uid, gid_t g
 		finish("failed", "the mount was undone: %s", problem);
 	}
 	say("status", "ok", "mnt_id", (snprintf(want, sizeof(want), "%lu", m->id), want),
-	    "dev", m->dev, "point", m->point, "options", m->options, "super", m->super, NULL);
+	    "dev", m->dev, "options", m->options, NULL);
 }
 
 static void mount_op(int proc, int agent_sock, int fuse, const struct fields *req)
 {
 	static char buf[MAX_FRAME];
-	char mode[16], owner[16], writable[2] = "-", root[2], mount[24];
+	char mode[16], owner[16], writable[2] = "-", mount[24];
 	char ids[2][16];
 	const char *path = get(req, "path");
 	struct fields verdict;
@@ -1208,13 +1215,10 @@ static void mount_op(int proc, int agent_sock, int fuse, const struct fields *re
 	snprintf(mount, sizeof(mount), "%lu", m->id);
 	snprintf(ids[0], sizeof(ids[0]), "%u", uid);
 	snprintf(ids[1], sizeof(ids[1]), "%u", gid);
-	root[0] = (st.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT)
-		  && (st.stx_attributes & STATX_ATTR_MOUNT_ROOT) ? '1' : '0';
-	root[1] = '\0';
 	say("status", "facts", "mount", mount, "fstype", m->fstype, "mount_point", m->point,
-	    "mount_root", root, "shared", m->shared ? "1" : "0", "mode", mode, "owner", owner,
+	    "shared", m->shared ? "1" : "0", "mode", mode, "owner", owner,
 	    "writable", writable, "uid", ids[0], "gid", ids[1], NULL);
-	hear(buf, ANSWER, VERDICT_FIELDS, "go", &verdict);
+	hear(buf, ANSWER, ANSWER_TO_MOUNT_FACTS, &verdict);
 	if (strcmp(get(&verdict, "go"), "1") != 0)
 		_exit(0);
 	mnt = build(agent_sock, fuse, &verdict, uid, gid);
@@ -1244,9 +1248,8 @@ static void unmount_op(int proc, const struct fields *req)
 		refused("'%s' is not a mountpoint%s", path, "");
 	close(top); /* an open fd, even O_PATH, would keep the mount busy */
 	snprintf(id, sizeof(id), "%lu", m->id);
-	say("status", "facts", "mount", id, "fstype", m->fstype, "dev", m->dev,
-	    "super", m->super, NULL);
-	hear(buf, ANSWER, "go lazy", "go", &verdict);
+	say("status", "facts", "mount", id, "fstype", m->fstype, "dev", m->dev, NULL);
+	hear(buf, ANSWER, ANSWER_TO_UNMOUNT_FACTS, &verdict);
 	if (strcmp(get(&verdict, "go"), "1") != 0)
 		_exit(0);
 	if (fchdir(parent) == -1)
@@ -1314,7 +1317,7 @@ int main(int argc, char *argv[])
 	mntns = (int)number(argv[3], 1 << 20);
 	if (argc == 5)
 		userns = (int)number(argv[4], 1 << 20);
-	hear(buf, REQUEST, REQUEST_FIELDS, "op path uid gid groups", &req);
+	hear(buf, REQUEST, REQUEST_FIELDS, &req);
 	if (uncharged) {
 		refusal_kind = "caller";
 		refused("%s; the broker runs no helper outside its caller's cgroups%s",
