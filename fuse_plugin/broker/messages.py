@@ -51,7 +51,7 @@ class HelperFailed(Exception):
 @dataclass(frozen=True)
 class Wire:
     """How one field is written: ``read`` turns the text into its value (``ValueError``
-    naming what is wrong), ``write`` the value into what ``frames.encode`` takes."""
+    showing the text it refused), ``write`` the value into what ``frames.encode`` takes."""
 
     read: Callable[[str], object]
     write: Callable[[Any], str | Sequence[int]]
@@ -59,19 +59,19 @@ class Wire:
 
 def _unsigned(text: str) -> int:
     if not _DECIMAL.fullmatch(text):
-        raise ValueError(f"bad {{}}: {text[:20]!r}")
+        raise ValueError(repr(text[:20]))
     return int(text)
 
 
 def _octal(text: str) -> int:
     if not _OCTAL.fullmatch(text):
-        raise ValueError(f"bad {{}}: {text[:20]!r}")
+        raise ValueError(repr(text[:20]))
     return int(text, 8)
 
 
 def _flag(text: str) -> bool:
     if text not in ("0", "1"):
-        raise ValueError(f"bad {{}}: {text[:20]!r}")
+        raise ValueError(repr(text[:20]))
     return text == "1"
 
 
@@ -84,21 +84,17 @@ def _connection(text: str) -> int:
     """A superblock's device "0:N": its FUSE connection, N in fusectl."""
     major, _, minor = text.partition(":")
     if not (_DECIMAL.fullmatch(major) and _DECIMAL.fullmatch(minor)):
-        raise ValueError(f"bad device in {{}}: {text[:24]!r}")
+        raise ValueError(f"{text[:24]!r}, not a device major:minor")
     return int(minor)
 
 
-def _text(text: str) -> str:
-    return text
-
-
-TEXT = Wire(_text, str)
+TEXT = Wire(str, str)
 UNSIGNED = Wire(_unsigned, str)
 OCTAL = Wire(_octal, lambda mode: f"{mode:o}")
 FLAG = Wire(_flag, lambda on: "1" if on else "0")
 JUDGED = Wire(_judged, lambda on: "-" if on is None else "1" if on else "0")
 CONNECTION = Wire(_connection, lambda n: f"0:{n}")
-GROUPS = Wire(lambda text: text, tuple)  # a u32 array (frames.BINARY); only ever sent
+GROUPS = Wire(str, tuple)  # a u32 array (frames.BINARY), only ever sent: never read
 
 Text = Annotated[str, TEXT]
 Unsigned = Annotated[int, UNSIGNED]
@@ -303,5 +299,5 @@ def decode(fields: Mapping[str, str], kind: type[Report]) -> Report:
         try:
             values[name] = wire[name].read(value)
         except ValueError as bad:
-            raise HelperFailed(f"the helper sent a {str(bad).format(name)}") from None
+            raise HelperFailed(f"the helper sent a bad {name}: {bad}") from None
     return kind(**values)

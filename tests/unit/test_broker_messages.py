@@ -150,6 +150,7 @@ def test_a_report_is_decoded_into_its_types() -> None:
     ({"shared": ""}, "bad shared"),
     ({"mode": "8"}, "bad mode"),
     ({"owner": "+1"}, "bad owner"),
+    ({"mount": "{0}"}, r"bad mount: '\{0\}'"),  # shown as sent
 ])
 def test_a_report_with_an_unknown_or_bad_field_is_refused_naming_it(
         change: dict[str, str], words: str) -> None:

@@ -67,7 +67,7 @@ def test_a_number_that_does_not_parse_fails(field: str, value: str) -> None:
 @pytest.mark.parametrize("dev", ["", "63", "0:x", "0:\u0661", "0:63:1"])
 def test_a_connection_comes_from_the_superblocks_device(dev: str) -> None:
     assert reports.read(BUILT, "mount", 2) == reports.Built(63)
-    with pytest.raises(HelperFailed, match="bad device"):
+    with pytest.raises(HelperFailed, match="bad dev: "):
         reports.read(BUILT | {"dev": dev}, "mount", 2)
 
 
