@@ -60,6 +60,7 @@ from fuse_plugin.broker.admission import Admission, Limits
 from fuse_plugin.broker.conversation import Conversation
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
 from fuse_plugin.broker.helper import Job
+from fuse_plugin.broker.messages import GO, STOP, Exited
 from fuse_plugin.broker.reports import Built, Done, HelperFailed, Marked, MountFacts, UnmountFacts
 from fuse_plugin.broker.settings import DEFAULT_SHIM, BrokerSettings
 from fuse_plugin.broker.stats import BrokerStats
@@ -382,7 +383,7 @@ class Broker:
             if conversation in queue:
                 queue.remove(conversation)
         if conversation.job is not None and conversation.job.ctl.fileno() != -1:
-            conversation.job.send(go=0)
+            conversation.job.send(STOP)
         if not conversation.answered:
             self._refuse(conversation, refused)
         self._release(conversation)
@@ -597,18 +598,17 @@ class Broker:
             report = conversation.hear(message)
             if isinstance(report, Marked):
                 policy.allocated(report.mark, self._mark)
-                job.send(go=1)
+                job.send(GO)
             elif isinstance(report, MountFacts | UnmountFacts):
-                job.send(go=1, **conversation.verdict(report, self.records,
-                                              self.settings.allow_other))
+                job.send(conversation.verdict(report, self.records, self.settings.allow_other))
             elif isinstance(report, Built):
                 self._record(conversation, report)
-                job.send(go=1)
+                job.send(GO)
             else:
                 self._succeed(conversation, report)
             return
         except policy.Refused as refused:
-            job.send(go=0)
+            job.send(STOP)
             self._refuse(conversation, refused)
         except HelperFailed as failed:
             self._fail(conversation, failed)
@@ -646,7 +646,7 @@ class Broker:
         message = job.receive()  # a last word it sent before exiting
         if self._running.get(conversation.container) is conversation:
             try:
-                report = conversation.hear(message or {"status": "exited"})
+                report = conversation.hear(Exited() if message is None else message)
                 if not isinstance(report, Done):
                     raise HelperFailed("the broker's helper exited without an answer")
                 self._succeed(conversation, report)
