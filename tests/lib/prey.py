@@ -148,10 +148,13 @@ def churn(rounds: int, directory: str, answers: list[dict[str, Any]]) -> None:
     os.makedirs(directory, exist_ok=True)
     version = f"v={attacker.VERSION}"
     for _ in range(rounds):
-        answer = attacker.ask_once([version, "op=mount", f"path={directory}"], True, None)
-        answers.append(answer)
-        if answer["status"] == "ok":
-            attacker.ask_once([version, "op=unmount", f"path={directory}"], False, None)
+        try:
+            answer = attacker.ask_once([version, "op=mount", f"path={directory}"], True, None)
+            answers.append(answer)
+            if answer["status"] == "ok":
+                attacker.ask_once([version, "op=unmount", f"path={directory}"], False, None)
+        except Exception as err:  # an answer that never came is an answer to count too
+            answers.append({"status": "raised", "message": f"{type(err).__name__}: {err}"})
 
 
 def main() -> int:
