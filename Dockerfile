@@ -2,7 +2,7 @@
 # the default), the profile installer (`install-profiles`) and broker mode's mount broker
 # (`broker`).
 #
-#   docker build -t fuse-device-plugin:0.1.0 .
+#   docker build -t fuse-device-plugin:0.2.0 .
 #
 # Stage 1 builds the wheel and broker mode's two static programs (musl); stage 2 is a slim
 # Python with only that wheel, its runtime dependencies (all binary wheels: no compiler),
@@ -28,7 +28,7 @@ COPY fuse_plugin ./fuse_plugin
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE}
-ARG VERSION=0.1.0
+ARG VERSION=0.2.0
 LABEL org.opencontainers.image.title="fuse-device-plugin" \
       org.opencontainers.image.description="Kubernetes device plugin that gives pods /dev/fuse (github.com/fuse) without privileged: true, plus least-privilege AppArmor and seccomp profiles" \
       org.opencontainers.image.version="${VERSION}" \

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from fuse_plugin import __version__
 from fuse_plugin.broker import protocol
 from tests.kubelet.node import tail
 
@@ -151,7 +152,7 @@ def test_the_list_pushes_whole_with_both_images(images: Images, tmp_path: Path) 
     of a registry (none is reachable): the pushed tag is an index of exactly the two
     platforms, each manifest's config names its architecture, and every layer is there."""
     dest = tmp_path / "oci"
-    r = podman("manifest", "push", "--all", images.manifest, f"oci:{dest}:0.1.0")
+    r = podman("manifest", "push", "--all", images.manifest, f"oci:{dest}:{__version__}")
     assert r.returncode == 0, r.stderr
 
     def blob(digest: str) -> Any:
@@ -159,7 +160,7 @@ def test_the_list_pushes_whole_with_both_images(images: Images, tmp_path: Path) 
         return json.loads((dest / "blobs" / algorithm / value).read_text())
 
     [tag] = json.loads((dest / "index.json").read_text())["manifests"]
-    assert tag["annotations"]["org.opencontainers.image.ref.name"] == "0.1.0"
+    assert tag["annotations"]["org.opencontainers.image.ref.name"] == __version__
     pushed = blob(tag["digest"])["manifests"]
     assert sorted((m["platform"]["os"], m["platform"]["architecture"]) for m in pushed) == [
         ("linux", "amd64"), ("linux", "arm64")]
