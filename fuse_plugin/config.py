@@ -24,7 +24,8 @@ DEFAULT_CDI_DIR = Path("/var/run/cdi")
 # Why 1000: /dev/fuse is shared, so a slot is only a ticket. The kubelet never runs more
 # pods than maxPods (110 by default, 250 on the largest managed-node presets), but each
 # container that asks for the resource takes its own slot. 1000 covers the largest
-# maxPods times a few FUSE containers per pod, and costs ~20 KB per ListAndWatch.
+# maxPods times a few FUSE containers per pod, at a ListAndWatch message and memory
+# that stay small (bench/README.md, "Slots").
 DEFAULT_SLOTS = 1000
 MAX_SLOTS = 100_000
 KUBELET_SOCKET = "kubelet.sock"
