@@ -27,8 +27,8 @@ def lean_process() -> None:
     - grpc imports asyncio, which imports Python's ssl and with it OpenSSL: RSS and
       start-up that serve never uses (plain gRPC on unix sockets, plain HTTP for the
       probes; gRPC's own TLS is inside its C core; what it saves: bench/README.md).
-      ``ssl`` is hidden only while grpc loads (asyncio takes a missing ssl as "no TLS"), so a later
-      ``import ssl`` still works.
+      ``ssl`` is hidden only while grpc loads (asyncio takes a missing ssl as "no
+      TLS"), so a later ``import ssl`` still works.
     - glibc gives each thread that mallocs its own arena (up to 8 per CPU), and the gRPC
       worker threads keep freed memory in many half-empty arenas. Two arenas are plenty
       for threads that mostly wait on the GIL.
