@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -140,7 +140,7 @@ def _checked(kind: Parse) -> Parse:
 
 
 def add(parser: argparse.ArgumentParser, flag: str, kind: Parse, default: object,
-        help_text: str, *, metavar: str | None = None) -> None:
+        help_text: str, *, metavar: str | None = None, dest: str | None = None) -> None:
     """One flag with its environment twin, which supplies the default when set; a bad
     value from either is the same one-line error, naming the variable when it came
     from there."""
@@ -153,6 +153,9 @@ def add(parser: argparse.ArgumentParser, flag: str, kind: Parse, default: object
     extra: dict[str, object] = {"nargs": "?", "const": True} if kind is boolean else {}
     if metavar is not None:
         extra["metavar"] = metavar
+    if dest is not None:  # a field not named after its flag: help still shows the flag's
+        extra["dest"] = dest
+        extra.setdefault("metavar", field_name(flag).upper())
     parser.add_argument(flag, type=_checked(kind), default=value, **extra,  # type: ignore[arg-type]
                         help=f"{help_text} (env {env}; default: {default})")
 
@@ -175,29 +178,43 @@ class MetricsSettings(DaemonSettings):
     metrics_address: str = "0.0.0.0"
 
 
+# The flags of MetricsSettings' fields, for the tables of the commands that have them.
+METRICS_FLAGS: tuple[Flag, ...] = (
+    ("--metrics-port", port,
+     "serve /metrics, /healthz and /readyz on this port; 0 turns it off"),
+    ("--metrics-address", address, "address the metrics port binds to (IPv4 or IPv6)"),
+)
+
+
 def add_log_flags(parser: argparse.ArgumentParser) -> None:
     """--log-format and --log-level, the same for every long-running command."""
     add(parser, "--log-format", choice(logs.FORMATS), "text", "log line format: text or json")
     add(parser, "--log-level", choice(logs.LEVELS), "info", "debug, info, warning or error")
 
 
-def field_name(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
+def field_name(flag: str, renamed: Mapping[str, str] | None = None) -> str:
+    """The settings field ``flag`` fills: the one named after it, unless ``renamed``
+    (flag: field) names another, for a flag older than its field."""
+    return (renamed or {}).get(flag) or flag.lstrip("-").replace("-", "_")
 
 
-def default(settings: type[Any], flag: str) -> object:
-    """A flag's default: the default of the settings field it is named after, so that the
+def default(settings: type[Any], flag: str, renamed: Mapping[str, str] | None = None) -> object:
+    """A flag's default: the default of the settings field it fills, so that the
     dataclass is the one place a default is written."""
-    return next(f.default for f in fields(settings) if f.name == field_name(flag))
+    name = field_name(flag, renamed)
+    return next(f.default for f in fields(settings) if f.name == name)
 
 
 def add_table(parser: argparse.ArgumentParser, table: Sequence[Flag], settings: type[Any],
-              only: Collection[str] | None = None) -> None:
+              only: Collection[str] | None = None,
+              renamed: Mapping[str, str] | None = None) -> None:
     """Add a command's flags (or ``only`` those), each with its environment twin and its
-    default from ``settings``; the log flags come with the whole table."""
+    default from ``settings``, parsed into the field it fills (``renamed``: where that is
+    not the flag's own name); the log flags come with the whole table."""
     for flag, kind, help_text in table:
         if only is None or flag in only:
-            add(parser, flag, kind, default(settings, flag), help_text)
+            add(parser, flag, kind, default(settings, flag, renamed), help_text,
+                dest=field_name(flag, renamed))
     if only is None:
         add_log_flags(parser)
 

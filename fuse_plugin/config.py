@@ -24,7 +24,8 @@ DEFAULT_CDI_DIR = Path("/var/run/cdi")
 # Why 1000: /dev/fuse is shared, so a slot is only a ticket. The kubelet never runs more
 # pods than maxPods (110 by default, 250 on the largest managed-node presets), but each
 # container that asks for the resource takes its own slot. 1000 covers the largest
-# maxPods times a few FUSE containers per pod, and costs ~20 KB per ListAndWatch.
+# maxPods times a few FUSE containers per pod, at a ListAndWatch message and memory
+# that stay small (bench/README.md, "Slots").
 DEFAULT_SLOTS = 1000
 MAX_SLOTS = 100_000
 KUBELET_SOCKET = "kubelet.sock"
@@ -138,9 +139,7 @@ SERVE_FLAGS: tuple[args.Flag, ...] = (
     ("--fuse-device", args.absolute_path,
      "host FUSE device node handed to containers (must be char 10:229)"),
     ("--slots", slots, "how many containers may hold the shared device at once"),
-    ("--metrics-port", args.port,
-     "serve /metrics, /healthz and /readyz on this port; 0 turns it off"),
-    ("--metrics-address", args.address, "address the metrics port binds to (IPv4 or IPv6)"),
+    *args.METRICS_FLAGS,
     ("--cdi", args.boolean,
      "also write a CDI spec and answer Allocate with its device name (Kubernetes 1.28+)"),
     ("--cdi-dir", args.absolute_path, "where the CDI spec is written"),

@@ -1,8 +1,8 @@
 """The Prometheus text format (0.0.4), written out for the plugin's and the broker's
 /metrics alike.
 
-A dozen series do not need prometheus-client, whose import alone loads OpenSSL (~8 MiB on
-every node); and this module imports nothing, so the broker can write its metrics
+A dozen series do not need prometheus-client, whose import alone loads OpenSSL (memory on
+every node: bench/README.md); and this module imports nothing, so the broker can write its metrics
 without loading the plugin's gRPC side. Label values are escaped as the format demands
 (backslash, double quote, newline): one of them is a container's cgroup path, which a
 tenant can shape, and an unescaped quote or newline in it would make the whole scrape

@@ -18,7 +18,8 @@ It speaks only what probes and Prometheus send: HTTP/1.0, GET, one request per
 connection, paths looked up in a table (400, 405 and 404 otherwise). An idle port costs
 nothing: the thread waits on the listening socket and a stop pipe, with no timeout while
 no connection is open. ``http.server`` is not used: it pulls in ``http.client`` and the
-``email`` package (~0.9 MiB on every node) to parse headers nobody here reads.
+``email`` package (memory on every node: bench/README.md) to parse headers nobody here
+reads.
 
 The plugin's metrics port (``fuse_plugin.deviceplugin.metrics``) and the mount broker's use it.
 """

@@ -65,27 +65,21 @@ class InUse(Exception):
     """A process serves the socket: it is not ours to take."""
 
 
-def remove_stale(path: Path, kind: int = socket.SOCK_STREAM) -> bool:
-    """Take over ``path`` for a new bind: remove the socket file a killed process left
-    there. True when one was removed, False when there was none. Raises ``InUse`` when a
-    live process serves it (left alone: never take a running peer's socket) and
-    OSError when it cannot be removed. Each wing (plugin, broker, DRA driver) decides
-    what a live peer means for it: wait, or refuse to start."""
-    if not (path.exists() or path.is_symlink()):
-        return False
+def take_over(path: Path, log: logging.Logger, kind: int = socket.SOCK_STREAM) -> None:
+    """Make ``path`` free for a new bind of a ``kind`` socket: remove the socket file a
+    killed process left there, with the one line (``socket.stale_removed``) that says so.
+
+    Raises ``InUse`` when a live process serves it (never take a running peer's socket)
+    and OSError when it cannot be removed; what those mean is each wing's to say (the
+    plugin waits, the DRA driver and the broker refuse to start). Only a socket is
+    taken: a file or directory at the path is not ours to delete, and the bind refuses
+    it with its own error."""
+    if not path.is_socket():
+        return
     if serving(path, kind):
         raise InUse(f"another process serves {path}")
     try:
         path.unlink()
     except FileNotFoundError:
-        return False
-    return True
-
-
-def take_over(path: Path, log: logging.Logger) -> None:
-    """``remove_stale`` for a gRPC socket the plugin or the DRA driver is about to bind,
-    with the one line (``socket.stale_removed``) that says a killed predecessor's file
-    went. Raises ``InUse`` and OSError as ``remove_stale`` does; what they mean is the
-    wing's to say (the plugin waits, the driver refuses to start)."""
-    if remove_stale(path):
-        logs.event(log, "socket.stale_removed", socket=str(path))
+        return
+    logs.event(log, "socket.stale_removed", socket=str(path))

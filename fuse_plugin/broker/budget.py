@@ -1,8 +1,8 @@
 """How much the broker writes about one tenant.
 
 A tenant sending refused requests as fast as it can would make a broker that logs every
-request write 7,000 lines a second, 80-160 MB/s with long paths or options, gigabytes a
-minute into the node's logs. So each container gets ``BURST`` lines per kind of refusal (and of
+request fill the node's logs at the rate it can refuse (docs/security.md's table has
+what the old broker wrote). So each container gets ``BURST`` lines per kind of refusal (and of
 failure) per ``INTERVAL``; past that its requests are counted, not logged, and when the
 interval ends one ``broker.refused_summary`` line says how many of each kind were not
 logged, with the last reason. The metrics still count every refusal (``stats``), and the

@@ -14,20 +14,14 @@ import contextlib
 from fuse_plugin import logs
 from fuse_plugin.broker.probes import serve_probes
 from fuse_plugin.broker.server import Broker
-from fuse_plugin.broker.settings import BrokerSettings, add_flags
+from fuse_plugin.broker.settings import add_flags, from_args
 from fuse_plugin.signals import stop_on_signals
 
 __all__ = ["add_flags", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = BrokerSettings(
-        directory=args.dir, state=args.state_dir, shim=args.shim, lxcfs_dir=args.lxcfs_dir,
-        max_mounts=args.max_mounts, max_mounts_node=args.max_mounts_node,
-        max_mounts_pod=args.max_mounts_pod, max_pods=args.max_pods,
-        allow_other=args.allow_other, metrics_port=args.metrics_port,
-        metrics_address=args.metrics_address, log_format=args.log_format,
-        log_level=args.log_level)
+    settings = from_args(args)
     log = logs.setup(settings.log_format, settings.log_level)
     broker = Broker(settings, log)
     stop_on_signals(log, broker.stop)

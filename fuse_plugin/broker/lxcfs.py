@@ -45,7 +45,6 @@ from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker import policy, protocol
 from fuse_plugin.broker.conversation import Conversation
 from fuse_plugin.broker.lxcfs_records import Consumer, ConsumerRecords
-from fuse_plugin.broker.node import take_over
 
 OP = "lxcfs"
 TOOL_NAME = "fuse-broker-lxcfs"
@@ -154,7 +153,7 @@ class Views:
         directory.chmod(0o700)
         path = directory / SOCKET_NAME
         try:
-            take_over(path)
+            sockets.take_over(path, self.log, socket.SOCK_SEQPACKET)
         except sockets.InUse:
             raise OSError(f"another broker is serving lxcfs on {path}") from None
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from fuse_plugin import args as flags
 from fuse_plugin import logs
-from fuse_plugin.broker import lxcfs, protocol
+from fuse_plugin.broker import lxcfs, protocol, settings
 from fuse_plugin.errors import Failure
 from fuse_plugin.signals import stop_on_signals
 
@@ -43,11 +43,10 @@ RECONNECT = 1.0  # seconds between tries while the broker's socket does not answ
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lxcfs-dir", type=flags.absolute_path, default=lxcfs.DEFAULT_DIR,
-                        help="the broker's --lxcfs-dir: where its lxcfs socket is "
-                             f"(default: {lxcfs.DEFAULT_DIR})")
-    parser.add_argument("--lxcfs", default="lxcfs",
-                        help="the lxcfs program (default: lxcfs, from PATH)")
+    """The broker's --lxcfs-dir (one declaration, one default: they must meet there), the
+    lxcfs program, and the log flags."""
+    flags.add_table(parser, settings.FLAGS, settings.BrokerSettings, only={"--lxcfs-dir"})
+    flags.add(parser, "--lxcfs", str, "lxcfs", "the lxcfs program, from PATH")
     flags.add_log_flags(parser)
 
 

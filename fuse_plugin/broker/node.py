@@ -1,6 +1,5 @@
-"""What the broker sets up on the node itself: the shim where Allocate binds it from,
-its sockets' paths taken over from a killed broker, and the FUSE connections' control
-files (fusectl; ``records.abort`` uses them)."""
+"""What the broker sets up on the node itself: the shim where Allocate binds it from and
+the FUSE connections' control files (fusectl; ``records.abort`` uses them)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import os
 import socket
 from pathlib import Path
 
-from fuse_plugin import files, sockets
+from fuse_plugin import files, logs, sockets
 from fuse_plugin.broker import kernel, protocol, records
 
 
@@ -30,11 +29,10 @@ def install_shim(directory: Path, shim: bytes) -> Path:
 
 
 def take_over(path: Path) -> None:
-    """Remove the socket a killed broker left at ``path`` (the loop's or lxcfs's) by
-    ``sockets.remove_stale``, which raises ``sockets.InUse`` when a broker serves it.
-    Only a socket is taken: anything else at the path fails the bind, as it did."""
-    if path.is_socket():
-        sockets.remove_stale(path, socket.SOCK_SEQPACKET)
+    """``sockets.take_over`` for the loop's socket, logged on the broker's logger.
+    Only until server.py calls ``sockets.take_over(path, self.log, SOCK_SEQPACKET)``
+    itself, as lxcfs.py does: then this goes."""
+    sockets.take_over(path, logs.get(), socket.SOCK_SEQPACKET)
 
 
 def ensure_fusectl() -> None:

@@ -24,11 +24,11 @@ def lean_process() -> None:
     Applied only in a fresh process (the console script, ``python -m fuse_plugin``),
     not when a test calls ``run`` in a process that has already loaded grpc.
 
-    - grpc imports asyncio, which imports Python's ssl and with it OpenSSL: ~4 MiB of
-      RSS and ~9 ms of start-up that serve never uses (plain gRPC on unix sockets, plain
-      HTTP for the probes; gRPC's own TLS is inside its C core). ``ssl`` is hidden only
-      while grpc loads (asyncio takes a missing ssl as "no TLS"), so a later
-      ``import ssl`` still works.
+    - grpc imports asyncio, which imports Python's ssl and with it OpenSSL: RSS and
+      start-up that serve never uses (plain gRPC on unix sockets, plain HTTP for the
+      probes; gRPC's own TLS is inside its C core; what it saves: bench/README.md).
+      ``ssl`` is hidden only while grpc loads (asyncio takes a missing ssl as "no
+      TLS"), so a later ``import ssl`` still works.
     - glibc gives each thread that mallocs its own arena (up to 8 per CPU), and the gRPC
       worker threads keep freed memory in many half-empty arenas. Two arenas are plenty
       for threads that mostly wait on the GIL.

@@ -50,8 +50,8 @@ class FuseServicer(api_pb2_grpc.DevicePluginServicer):
         self._stats = stats
         self._streams = 0
         self._streams_lock = threading.Lock()
-        # Both possible device lists are built once: a 10,000-slot list costs ~20 ms
-        # to build in Python and ~1 ms to serialise.
+        # Both possible device lists are built once: building one in Python costs many
+        # times serialising it, and grows with --slots (bench/README.md, "Slots").
         self._lists = {
             health: api.ListAndWatchResponse(
                 devices=[api.Device(ID=i, health=health.value) for i in state.ids])
@@ -60,7 +60,7 @@ class FuseServicer(api_pb2_grpc.DevicePluginServicer):
         # Every container gets the same answer (allocation.Grant decides what it holds).
         self._container = (grant or Grant(state.device)).response()
         # The kubelet sends one Allocate per container, and a pod asks for one slot: the
-        # exact bytes of every such request, mapped to its slot (~100 bytes per slot).
+        # exact bytes of every such request, mapped to its slot (memory per slot: bench/).
         self._usual = {
             api.AllocateRequest(container_requests=[api.ContainerAllocateRequest(
                 devices_ids=[i])]).SerializeToString(): i for i in state.ids}

@@ -300,7 +300,7 @@ def check_apparmor(node: Node) -> list[Check]:
     """Kernel AppArmor, then our profiles: the only layer that limits mounts to FUSE types."""
     name, path = "apparmor", "/sys/module/apparmor/parameters/enabled"
     without = ("expected on SELinux distributions; there only seccomp and capabilities limit "
-               "FUSE pods, and they cannot restrict the filesystem type (docs/profiles.md)")
+               "FUSE pods, and they cannot restrict the filesystem type (docs/security.md)")
     try:
         enabled = read_text(node.at(path)).strip()
     except FileNotFoundError:

@@ -46,7 +46,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                              "preset profiles (still refused: other profiles' names, "
                              "runtime default names, attachments, hats, change_profile, "
                              "bare mount/umount/pivot_root, exec transitions, seccomp "
-                             "allowing bpf, kexec, modules and the like; docs/profiles.md)")
+                             "allowing bpf, kexec, modules and the like; docs/security.md)")
     flags.add_log_flags(parser)
 
 

@@ -184,13 +184,13 @@ def test_broker_args_match_the_cli_and_the_plugin_patch() -> None:
     [container] = containers(DAEMONSET)
     args = cli.build_parser(container["args"]).parse_args(container["args"])
     assert args.command == "broker"
-    assert str(args.dir) == BROKER_DIR
+    assert str(args.directory) == BROKER_DIR
     [patched] = containers(PATCH)
     assert patched["env"] == [{"name": "FUSE_DEVICE_PLUGIN_BROKER_DIR", "value": BROKER_DIR}]
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
-    assert {BROKER_DIR, str(args.state_dir), CGROUP_DIR, str(args.lxcfs_dir)} == mounts
+    assert {BROKER_DIR, str(args.state), CGROUP_DIR, str(args.lxcfs_dir)} == mounts
     assert str(args.lxcfs_dir) == LXCFS_DIR
-    assert str(args.state_dir) == STATE_DIR
+    assert str(args.state) == STATE_DIR
     assert args.shim == settings.DEFAULT_SHIM
     # The probes read the port the broker serves.
     [port] = container["ports"]

@@ -1,5 +1,5 @@
 """The node-daemon kit the three wings share, on real unix sockets: taking over a stale
-socket (and the broker's narrower rule: only a socket), gRPC binding on a unix socket,
+socket of either kind (and only a socket), gRPC binding on a unix socket,
 watchdog events to paths, and readiness checks. The wings' own tests prove each uses it;
 these pin what the kit itself promises."""
 
@@ -16,7 +16,6 @@ import pytest
 from watchdog.events import FileCreatedEvent, FileMovedEvent
 
 from fuse_plugin import grpc_unix, readiness, sockets
-from fuse_plugin.broker import node
 from fuse_plugin.watches import event_paths
 
 
@@ -58,16 +57,19 @@ def test_take_over_leaves_a_served_socket_and_is_silent_without_one(
     assert caplog.records == []
 
 
-def test_the_broker_takes_over_only_a_stale_socket(tmp_path: Path) -> None:
+def test_take_over_takes_only_a_stale_socket_of_the_kind_it_binds(tmp_path: Path) -> None:
+    """The broker's sockets are SOCK_SEQPACKET: a stream connect to a live one would be
+    refused and the socket wrongly taken as stale."""
     path = tmp_path / "broker.sock"
+    log = logging.getLogger("test")
     stale(path, socket.SOCK_SEQPACKET)
-    node.take_over(path)
+    sockets.take_over(path, log, socket.SOCK_SEQPACKET)
     assert not path.exists()
     with listening(path, socket.SOCK_SEQPACKET), pytest.raises(sockets.InUse):
-        node.take_over(path)
+        sockets.take_over(path, log, socket.SOCK_SEQPACKET)
     path.unlink()
-    path.write_text("not a socket")  # left for the bind to refuse, as before the kit
-    node.take_over(path)
+    path.write_text("not a socket")  # not ours to delete: left for the bind to refuse
+    sockets.take_over(path, log)
     assert path.read_text() == "not a socket"
 
 
