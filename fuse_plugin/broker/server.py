@@ -27,7 +27,6 @@ The command around the loop is ``command.py``, its settings ``settings.py``.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import itertools
@@ -39,28 +38,27 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from fuse_plugin import files, logs, sockets
 from fuse_plugin.broker import (
     budget,
     cgroups,
-    frames,
     lxcfs,
     mountinfo,
     node,
     policy,
     protocol,
     records,
+    scheduler,
     shares,
 )
 from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker.admission import Admission, Limits
 from fuse_plugin.broker.conversation import Conversation
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
-from fuse_plugin.broker.helper import Job
 from fuse_plugin.broker.reports import Built, Done, HelperFailed, Marked, MountFacts, UnmountFacts
+from fuse_plugin.broker.scheduler import Answers, Exiting, Scheduler
 from fuse_plugin.broker.settings import DEFAULT_SHIM, BrokerSettings
 from fuse_plugin.broker.stats import BrokerStats
 from fuse_plugin.errors import EXIT_USAGE, Failure
@@ -75,24 +73,13 @@ PER_CONTAINER = shares.PER_CONTAINER
 PER_POD = shares.PER_POD
 PER_POD_HELPERS = shares.PER_POD_HELPERS
 REQUEST_DEADLINE = 5.0  # seconds from accept to a complete request
-HELPER_DEADLINE = 5.0  # seconds a helper may take; then it is killed
-KILL_GRACE = 2.0  # a killed helper still alive after this is stuck on a FUSE daemon
 ACCEPT_PAUSE = 1.0  # out of fds: the backlog waits this long before the next accept
 # SIGTERM: the drain. Requests already held go on for this long (a helper at work then
 # reaches its own deadline within it); see Broker._close.
-STOP_GRACE = HELPER_DEADLINE
+STOP_GRACE = scheduler.HELPER_DEADLINE
 PRUNE_EVERY = 10.0  # records of connections that ended are dropped this often
 TURN = 1.0  # the loop turns at least this often (the liveness probe watches it)
 SO_PASSRIGHTS = 83  # Linux 6.16+
-
-
-@dataclass(eq=False)
-class _Exiting:
-    """A released helper, killed, until its pidfd says it has exited (one still alive
-    KILL_GRACE after its SIGKILL is stuck: ``_reap_stuck``)."""
-
-    container: str
-    job: Job
 
 
 class Broker:
@@ -116,7 +103,6 @@ class Broker:
         self._listener: socket.socket | None = None
         self._identity: files.Identity | None = None
         self._mark = policy.Mark("", "")
-        self.charge = cgroups.Charge(())  # where helpers run: their callers' cgroups
         # Wakes the loop: signals (set_wakeup_fd, armed in start) and stop().
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -131,9 +117,10 @@ class Broker:
         self._busy = 0  # refused at accept since the last summary line
         self._busy_said = 0.0
         self._waiting: dict[int, Conversation] = {}  # by socket fd: no complete request yet
-        self._queued: dict[str, collections.deque[Conversation]] = {}  # by container
-        self._running: dict[str, Conversation] = {}  # by container: its helper is at work
-        self._exiting: list[_Exiting] = []  # released (killed) helpers not exited yet
+        self.helpers = Scheduler(
+            self._selector, self.caps, helper_binary=self.helper_binary, store=self.records,
+            stats=self.stats, log=log,
+            answers=Answers(refuse=self._refuse, fail=self._fail, pause=self._pause))
         self._budget = budget.LogBudget()  # lines per tenant and kind of refusal
         self.views: lxcfs.Views | None = None  # LXCFS views (lxcfs.py), from start
 
@@ -150,7 +137,7 @@ class Broker:
                               "`scripts/build-native DIR` from the source tree (Debian: gcc "
                               "musl-tools), then --shim DIR/fusermount3", EXIT_USAGE)
         try:
-            self.charge = _charge()
+            self.helpers.charge = _charge()
             node.ensure_fusectl()
             held = self.records.load()
         except OSError as err:
@@ -182,7 +169,7 @@ class Broker:
                    max_mounts_node=caps.mounts, max_mounts_pod=settings.max_mounts_pod,
                    max_pods=caps.max_pods, max_requests=caps.requests,
                    max_helpers=caps.helpers, fd_limit=fd_limit, held=held,
-                   charged=self.charge.names,
+                   charged=self.helpers.charge.names,
                    allow_other=settings.allow_other,
                    refuses_descriptors=self._refuses_descriptors)
         self._say_short(caps, fd_limit)
@@ -259,26 +246,25 @@ class Broker:
         self._stop_listening()
         end = time.monotonic() + STOP_GRACE
         self._turn(0.0)  # requests that arrived since the last turn: held from now on
-        self._turn_while(lambda: bool(self._queued or self._running), end)
+        self._turn_while(lambda: self.helpers.holding, end)
         stopping = policy.Refused("the broker is stopping and did nothing of this "
                                   "request; try again", "busy")
         waiting = list(self._waiting.values())
         for conversation in waiting:
             self._unwait(conversation)
-        queued = [w for q in self._queued.values() for w in q]
-        self._queued.clear()
+        queued = self.helpers.take_queued()
         for conversation in [*waiting, *queued]:
             self._refuse(conversation, stopping, retry=True)
-        for conversation in [w for w in self._running.values() if not w.acting]:
+        running = self.helpers.running
+        for conversation in [w for w in running.values() if not w.acting]:
             self._refuse(conversation, stopping, retry=True)
-            self._release(conversation)
-        self._turn_while(lambda: bool(self._running), end + HELPER_DEADLINE)
-        for conversation in list(self._running.values()):  # past their deadlines: not expired yet
+            self.helpers.release(conversation)
+        self._turn_while(lambda: bool(running), end + scheduler.HELPER_DEADLINE)
+        for conversation in list(running.values()):  # past their deadlines: not expired yet
             if conversation.job is not None:
                 conversation.job.kill()
             self._fail(conversation, HelperFailed("the broker is stopping"))
-        for exiting in self._exiting:
-            exiting.job.close()
+        self.helpers.close()
         if self.views is not None:
             self.views.close()
         if self._signals_wake and threading.current_thread() is threading.main_thread():
@@ -337,8 +323,7 @@ class Broker:
         every deadline cost a full node's silent connections a large share of the loop's
         time: bench/README.md, "The broker at its caps")."""
         soonest = [w.deadline for w in itertools.islice(self._waiting.values(), 1)]
-        soonest += [w.job.deadline for w in itertools.islice(self._running.values(), 1)
-                    if w.job is not None]
+        soonest += self.helpers.soonest()
         return soonest + (self.views.soonest() if self.views is not None else [])
 
     def _dispatch(self, data: object) -> None:
@@ -349,8 +334,8 @@ class Broker:
                 self._wake_r.recv(512)
         elif isinstance(data, Conversation):
             self._receive(data)
-        elif isinstance(data, _Exiting):
-            self._reap(data)
+        elif isinstance(data, Exiting):
+            self.helpers.reap(data)
         elif isinstance(data, lxcfs.Event) and self.views is not None:
             self.views.handle(data)
         elif isinstance(data, tuple):
@@ -378,14 +363,12 @@ class Broker:
         """Answer a request that a shortage interrupted, wherever it was."""
         if self._waiting.get(conversation.sock.fileno()) is conversation:
             self._unwait(conversation)
-        for queue in self._queued.values():
-            if conversation in queue:
-                queue.remove(conversation)
+        self.helpers.withdraw(conversation)
         if conversation.job is not None and conversation.job.ctl.fileno() != -1:
             conversation.job.send(go=0)
         if not conversation.answered:
             self._refuse(conversation, refused)
-        self._release(conversation)
+        self.helpers.release(conversation)
 
     def _accept(self) -> None:
         """One new connection a turn. Taking it reads its request and may start a
@@ -482,8 +465,7 @@ class Broker:
                 self._pause(refused.error)
             self._refuse(conversation, refused)
             return
-        self._queued.setdefault(conversation.container, collections.deque()).append(conversation)
-        self._next(conversation.container)
+        self.helpers.queue(conversation)
 
     def _unwait(self, conversation: Conversation) -> None:
         """The connection leaves the selector: its request arrived, or it never will."""
@@ -492,103 +474,9 @@ class Broker:
             conversation.watched = False
         del self._waiting[conversation.sock.fileno()]
 
-    def _next(self, container: str) -> None:
-        """Start the container's next request once none of its helpers is alive (a
-        killed one that has not exited included: it still holds what it took) and its
-        pod has fewer than its share alive; until then the request waits in its queue,
-        for helpers of its own pod only (``_wake_pod``), which end within their
-        deadline."""
-        queue = self._queued.get(container)
-        while queue and not self._helper_alive(container) and self._pod_has_room(container):
-            conversation = queue.popleft()
-            refused = self._helpers_full()
-            if refused is not None:
-                self._refuse(conversation, refused)
-                continue
-            try:
-                conversation.job = self._spawn(conversation)
-            except policy.Refused as uncharged:
-                if isinstance(uncharged, policy.OutOfResources):
-                    self._pause(uncharged.error)
-                self._refuse(conversation, uncharged)
-                continue
-            except frames.FrameError as err:
-                self._refuse(conversation, policy.Refused(
-                    f"the request cannot be handed to the helper whole ({err}); it is "
-                    "refused rather than cut", "request"))
-                continue
-            except OSError as err:
-                if policy.out_of_resources(err):
-                    self._pause(err)
-                    self._refuse(conversation,
-                                 policy.OutOfResources(f"starting {HELPER_NAME}", err))
-                else:
-                    self._fail(conversation, HelperFailed(f"cannot start {HELPER_NAME}: "
-                                                  f"{err.strerror or err}"))
-                continue
-            self._running[container] = conversation
-            job = conversation.job
-            self._selector.register(job.ctl, selectors.EVENT_READ, ("ctl", conversation))
-            self._selector.register(job.pidfd, selectors.EVENT_READ, ("exit", conversation))
-        if queue and self._blocked(container, time.monotonic()):
-            blocked = policy.Refused(
-                "this container's last helper is blocked in the kernel (on a FUSE "
-                "daemon) and has not exited; try again", "busy")
-            while queue:
-                self._refuse(queue.popleft(), blocked)
-        if queue is not None and not queue:
-            del self._queued[container]
-
-    def _spawn(self, conversation: Conversation) -> Job:
-        """The request's helper, in its caller's cgroups (``cgroups``): ``Refused`` if
-        they cannot be opened or the caller has gone meanwhile."""
-        charge = self.charge.open(conversation.caller.pid)
-        try:
-            # The cgroups were its pid's, not a reuser's:
-            if charge and not conversation.caller.alive():
-                raise policy.Refused(f"the calling process {conversation.caller.pid} has exited",
-                                     "caller")
-            return Job.start(self.helper_binary, conversation.caller, conversation.request,
-                             time.monotonic() + HELPER_DEADLINE, charge)
-        finally:
-            cgroups.close(charge)
-
-    def _helper_alive(self, container: str) -> bool:
-        return container in self._running or any(g.container == container
-                                                  for g in self._exiting)
-
-    def _blocked(self, container: str, now: float) -> bool:
-        """A killed helper of this container still alive after the grace: stuck."""
-        return any(g.container == container and g.job.killed_at is not None
-                   and now - g.job.killed_at >= KILL_GRACE for g in self._exiting)
-
-    def _pod_has_room(self, container: str) -> bool:
-        """Whether the container's pod has fewer than PER_POD_HELPERS helpers alive."""
-        pod = policy.pod_of(container)
-        alive = [*self._running, *(g.container for g in self._exiting)]
-        return sum(1 for c in alive if policy.pod_of(c) == pod) < PER_POD_HELPERS
-
-    def _wake_pod(self, container: str) -> None:
-        """One of the pod's helpers may have gone: its other containers' waiting
-        requests start, while the pod has helpers to spare."""
-        pod = policy.pod_of(container)
-        for other in [c for c in self._queued if c != container and policy.pod_of(c) == pod]:
-            if not self._pod_has_room(other):
-                return
-            self._next(other)
-
-    def _helpers_full(self) -> policy.Refused | None:
-        """The node's cap, reached only by more pods than --max-pods at their share."""
-        alive = len(self._running) + len(self._exiting)
-        if alive >= self.caps.helpers:
-            return policy.Refused(f"the broker has {alive} helpers alive, "
-                                  f"{PER_POD_HELPERS} for each of --max-pods "
-                                  f"{self.caps.max_pods} pods; try again", "busy")
-        return None
-
     def _hear(self, conversation: Conversation) -> None:
         job = conversation.job
-        if job is None or self._running.get(conversation.container) is not conversation:
+        if job is None or not self.helpers.is_running(conversation):
             return  # an event for a helper that was released earlier in this turn
         message = job.receive()
         if message is None:
@@ -612,7 +500,7 @@ class Broker:
             self._refuse(conversation, refused)
         except HelperFailed as failed:
             self._fail(conversation, failed)
-        self._release(conversation)
+        self.helpers.release(conversation)
 
     def _record(self, conversation: Conversation, built: Built) -> None:
         """Crash-only records: the new mount is recorded while still detached
@@ -636,7 +524,7 @@ class Broker:
         self.stats.served(conversation.request.op)
         self._log(conversation, f"broker.{conversation.request.op}", logging.INFO)
         self._reply(conversation, status="ok", mount_id=done.mount_id)
-        self._release(conversation)
+        self.helpers.release(conversation)
 
     def _exited(self, conversation: Conversation) -> None:
         """The helper's pidfd: it has exited. A request it had not finished fails."""
@@ -644,7 +532,7 @@ class Broker:
         if job is None:
             return
         message = job.receive()  # a last word it sent before exiting
-        if self._running.get(conversation.container) is conversation:
+        if self.helpers.is_running(conversation):
             try:
                 report = conversation.hear(message or {"status": "exited"})
                 if not isinstance(report, Done):
@@ -655,29 +543,7 @@ class Broker:
                 self._refuse(conversation, refused)
             except HelperFailed as failed:
                 self._fail(conversation, failed)
-            self._release(conversation)
-
-    def _release(self, conversation: Conversation) -> None:
-        """The request is answered: its helper leaves the loop (or, until it has exited,
-        waits among the exiting: killed, and stuck if the kernel holds it past
-        KILL_GRACE), and the container's next request may start."""
-        job = conversation.job
-        if job is not None:
-            for fileobj in (job.ctl, job.pidfd):
-                with contextlib.suppress(KeyError, ValueError):
-                    self._selector.unregister(fileobj)
-            if job.exited():
-                job.close()
-            else:  # usually exiting already; its pidfd says when it is gone
-                job.kill()
-                exiting = _Exiting(conversation.container, job)
-                self._exiting.append(exiting)
-                self._selector.register(job.pidfd, selectors.EVENT_READ, exiting)
-            conversation.job = None
-        if self._running.get(conversation.container) is conversation:
-            del self._running[conversation.container]
-            self._next(conversation.container)
-            self._wake_pod(conversation.container)
+            self.helpers.release(conversation)
 
     def _expire(self, now: float) -> None:
         if self._paused_until and now >= self._paused_until and self._listener is not None:
@@ -691,18 +557,7 @@ class Broker:
             self._unwait(conversation)
             self._refuse(conversation, policy.Refused(
                 f"no complete request within {REQUEST_DEADLINE:g}s", "request"))
-        while self._running:
-            conversation = next(iter(self._running.values()))
-            if conversation.job is None or conversation.job.deadline > now:
-                break
-            self.stats.stalled()
-            logs.event(self.log, "broker.stalled", logging.WARNING, cgroup=conversation.container,
-                       pid=conversation.caller.pid, seconds=HELPER_DEADLINE)
-            self._fail(conversation, HelperFailed(f"the request did not finish within "
-                                          f"{HELPER_DEADLINE:g}s (a FUSE filesystem on the "
-                                          "way may not be answering)"))
-            self._release(conversation)
-        self._reap_stuck(now)
+        self.helpers.expire(now)
         if self.views is not None:
             self.views.expire(now)
         self._summarise(now)
@@ -710,35 +565,6 @@ class Broker:
             self._pruned = now
             self.admission.prune()
             self.mounts_held = self.records.by_container()
-
-    def _reap(self, exiting: _Exiting) -> None:
-        """A released helper has exited: its container may have the next one."""
-        if exiting in self._exiting:
-            self._exiting.remove(exiting)
-            with contextlib.suppress(KeyError, ValueError):
-                self._selector.unregister(exiting.job.pidfd)
-            exiting.job.close()
-        self._next(exiting.container)
-        self._wake_pod(exiting.container)
-
-    def _reap_stuck(self, now: float) -> None:
-        """Killed helpers that have not died are blocked in the kernel, which in a
-        container means on one of its FUSE daemons: abort the connections the broker made
-        for that container, which frees them, and say so; the container's waiting
-        requests are answered "busy" meanwhile."""
-        for exiting in list(self._exiting):
-            job, container = exiting.job, exiting.container
-            if job.exited():
-                self._reap(exiting)
-            elif (not job.aborted and job.killed_at is not None
-                  and now - job.killed_at >= KILL_GRACE):
-                job.aborted = True
-                aborted = [n for n in self.records.connections(container) if records.abort(n)]
-                self.stats.aborted(len(aborted))
-                logs.event(self.log, "broker.aborted", logging.WARNING, cgroup=container,
-                           connections=aborted,
-                           reason=f"a helper stayed blocked {KILL_GRACE:g}s after SIGKILL")
-                self._next(container)
 
     # -- answers -------------------------------------------------------------------------
 
@@ -833,7 +659,7 @@ def _charge() -> cgroups.Charge:
 
 def _urgency(data: object) -> int:
     """The order a turn serves what is ready in: helpers, then requests, then accepts."""
-    if isinstance(data, tuple | _Exiting):
+    if isinstance(data, tuple | Exiting):
         return 0
     return 2 if data == "listen" else 1
 

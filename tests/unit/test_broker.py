@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fuse_plugin.broker import mountinfo, policy, protocol, server
+from fuse_plugin.broker import mountinfo, policy, protocol, scheduler, server
 from fuse_plugin.broker.node import install_shim
 from fuse_plugin.broker.policy import Existing, Mark, MountOptions, Owner, Refused, Target
 from fuse_plugin.broker.records import Record, Records
@@ -800,7 +800,7 @@ def test_a_helper_past_its_deadline_is_killed_and_the_caller_told(
     (bin_dir / "fuse-broker-helper").write_text("#!/bin/sh\nexec sleep 600\n")
     for program in bin_dir.iterdir():
         program.chmod(0o755)
-    monkeypatch.setattr(server, "HELPER_DEADLINE", 0.3)
+    monkeypatch.setattr(scheduler, "HELPER_DEADLINE", 0.3)
     broker = Broker(BrokerSettings(directory=tmp_path / "dir", state=tmp_path / "state",
                                    lxcfs_dir=tmp_path / "lxcfs",
                                    shim=bin_dir / protocol.SHIM_NAME),

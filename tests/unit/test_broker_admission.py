@@ -230,7 +230,7 @@ def running(broker: Broker, said: list[dict[str, str]],
     work, theirs = mount_request(broker)
     job = StandInJob(said, deadline if deadline is not None else time.monotonic() + 5)
     work.job = cast("Job", job)
-    broker._running[work.container] = work
+    broker.helpers.running[work.container] = work
     return work, theirs, job
 
 
@@ -274,7 +274,7 @@ def broker_stopping(broker: Broker, patch: pytest.MonkeyPatch) -> socket.socket:
 def broker_stopping_while_queued(broker: Broker, patch: pytest.MonkeyPatch
                                  ) -> socket.socket:
     work, theirs = mount_request(broker)
-    broker._queued[work.container] = collections.deque([work])
+    broker.helpers.queued[work.container] = collections.deque([work])
     broker._close()
     return theirs
 
@@ -299,8 +299,8 @@ def helper_cannot_start(broker: Broker, patch: pytest.MonkeyPatch) -> socket.soc
 
     patch.setattr(Job, "start", start)
     work, theirs = mount_request(broker)
-    broker._queued[work.container] = collections.deque([work])
-    broker._next(work.container)
+    broker.helpers.queued[work.container] = collections.deque([work])
+    broker.helpers.next(work.container)
     return theirs
 
 
@@ -354,7 +354,7 @@ def test_an_unmount_done_counts_its_mount_no_more(loop: Broker, kernel: Kernel) 
     facts = {"status": "facts", "mount": "77", "fstype": "fuse", "dev": f"0:{connection}"}
     work.job = cast("Job", StandInJob([MARK, facts, {"status": "ok", "mnt_id": "77"}],
                                       time.monotonic() + 5))
-    loop._running[A] = work
+    loop.helpers.running[A] = work
     loop._hear(work)
     loop._hear(work)
     kernel.end(connection)  # what the helper's umount2 did

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from fuse_plugin.broker import caller as callers
-from fuse_plugin.broker import protocol, server
+from fuse_plugin.broker import protocol, scheduler, server
 from fuse_plugin.broker.conversation import Conversation
 from fuse_plugin.broker.helper import Job
 from fuse_plugin.broker.server import Broker
@@ -149,7 +149,7 @@ def held(broker: Broker, container: str, path: str, waiting: bool = False
         return work, theirs
     work.parsed = protocol.Request(op="mount", path=path, fuse_fd=3)
     work.slot = broker.admission.admit(container)
-    broker._queued.setdefault(container, collections.deque()).append(work)
+    broker.helpers.queued.setdefault(container, collections.deque()).append(work)
     return work, theirs
 
 
@@ -165,14 +165,14 @@ def hold_everything(broker: Broker, helpers: dict[str, GatedHelper]
                (("a1", A), ("a2", A), ("b1", B), ("b2", B), ("c1", C))}
     w, clients["d"] = held(broker, D, "(none yet)", waiting=True)
     for container in (A, B, C):
-        broker._next(container)  # the first of each starts its helper
+        broker.helpers.next(container)  # the first of each starts its helper
     helpers["/mnt/b1"].say()  # B's helper reports its mark, then stalls
-    broker._hear(broker._running[B])
+    broker._hear(broker.helpers.running[B])
     helpers["/mnt/c1"].say(2)  # C's is told to go on past the facts
-    broker._hear(broker._running[C])
-    broker._hear(broker._running[C])
-    assert broker._running[C].acting
-    assert not broker._running[B].acting
+    broker._hear(broker.helpers.running[C])
+    broker._hear(broker.helpers.running[C])
+    assert broker.helpers.running[C].acting
+    assert not broker.helpers.running[B].acting
     helpers["/mnt/a1"].say(4)  # A's have everything to say, once heard
     helpers["/mnt/a2"].say(4)
     queued = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -278,7 +278,7 @@ def test_the_daemonsets_grace_period_covers_the_longest_drain() -> None:
     of its deadline; the kubelet's SIGKILL must come after both, with time to exit."""
     daemonset = one(MANIFESTS / "broker" / "broker-daemonset.yaml", "DaemonSet")
     grace = pod_spec(daemonset)["terminationGracePeriodSeconds"]
-    assert grace >= server.STOP_GRACE + server.HELPER_DEADLINE + 5
+    assert grace >= server.STOP_GRACE + scheduler.HELPER_DEADLINE + 5
 
 
 # -- the shim -----------------------------------------------------------------------------
