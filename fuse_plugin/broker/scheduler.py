@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fuse_plugin import logs
-from fuse_plugin.broker import cgroups, frames, policy, records, shares
+from fuse_plugin.broker import cgroups, events, frames, policy, records, shares
 from fuse_plugin.broker.conversation import Conversation
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
 from fuse_plugin.broker.helper import Job
@@ -148,8 +148,9 @@ class Scheduler:
                 continue
             self.running[container] = conversation
             job = conversation.job
-            self.selector.register(job.ctl, selectors.EVENT_READ, ("ctl", conversation))
-            self.selector.register(job.pidfd, selectors.EVENT_READ, ("exit", conversation))
+            self.selector.register(job.ctl, selectors.EVENT_READ, events.FromHelper(conversation))
+            self.selector.register(job.pidfd, selectors.EVENT_READ,
+                                   events.HelperExited(conversation))
         if queue and self._blocked(container, time.monotonic()):
             blocked = policy.Refused(
                 "this container's last helper is blocked in the kernel (on a FUSE "
@@ -221,7 +222,7 @@ class Scheduler:
                 job.kill()
                 exiting = Exiting(conversation.container, job)
                 self.exiting.append(exiting)
-                self.selector.register(job.pidfd, selectors.EVENT_READ, exiting)
+                self.selector.register(job.pidfd, selectors.EVENT_READ, events.HelperGone(exiting))
             conversation.job = None
         if self.is_running(conversation):
             del self.running[conversation.container]

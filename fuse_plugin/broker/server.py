@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -38,12 +39,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from fuse_plugin import files, logs, sockets
 from fuse_plugin.broker import (
     budget,
     cgroups,
+    events,
     lxcfs,
     mountinfo,
     node,
@@ -58,7 +59,7 @@ from fuse_plugin.broker.admission import Admission, Limits
 from fuse_plugin.broker.conversation import Conversation
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
 from fuse_plugin.broker.reports import Built, Done, HelperFailed, Marked, MountFacts, UnmountFacts
-from fuse_plugin.broker.scheduler import Answers, Exiting, Scheduler
+from fuse_plugin.broker.scheduler import Answers, Scheduler
 from fuse_plugin.broker.settings import DEFAULT_SHIM, BrokerSettings
 from fuse_plugin.broker.stats import BrokerStats
 from fuse_plugin.errors import EXIT_USAGE, Failure
@@ -107,7 +108,7 @@ class Broker:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._selector.register(self._wake_r, selectors.EVENT_READ, events.Woken())
         self._signals_wake = False
         self._stopping = False
         self._closed = False
@@ -206,7 +207,7 @@ class Broker:
         listener.setblocking(False)
         self._identity = files.identity(path)
         self._listener = listener
-        self._selector.register(listener, selectors.EVENT_READ, "listen")
+        self._selector.register(listener, selectors.EVENT_READ, events.Listening())
 
     @property
     def serving(self) -> bool:
@@ -309,11 +310,11 @@ class Broker:
         # Requests already under way first (their helpers' messages), new connections
         # last: under load a mount in progress moves on every turn, however many new
         # connections a flood has queued.
-        ready = sorted((key.data for key, _ in self._selector.select(timeout)),
-                       key=_urgency)
-        for data in ready:
-            self._survive(self._dispatch, data)
-        self._survive(self._expire, time.monotonic())
+        ready: list[events.Event] = sorted(
+            (key.data for key, _ in self._selector.select(timeout)), key=events.urgency)
+        for event in ready:
+            self._survive(functools.partial(self._dispatch, event), events.request_of(event))
+        self._survive(functools.partial(self._expire, time.monotonic()))
 
     def _soonest(self) -> list[float]:
         """The next deadline of a request not yet complete and of a helper. Each table
@@ -326,36 +327,39 @@ class Broker:
         soonest += self.helpers.soonest()
         return soonest + (self.views.soonest() if self.views is not None else [])
 
-    def _dispatch(self, data: object) -> None:
-        if data == "listen":
-            self._accept()
-        elif data == "wake":
-            with contextlib.suppress(BlockingIOError):
-                self._wake_r.recv(512)
-        elif isinstance(data, Conversation):
-            self._receive(data)
-        elif isinstance(data, Exiting):
-            self.helpers.reap(data)
-        elif isinstance(data, lxcfs.Event) and self.views is not None:
-            self.views.handle(data)
-        elif isinstance(data, tuple):
-            kind, conversation = data
-            (self._hear if kind == "ctl" else self._exited)(conversation)
+    def _dispatch(self, event: events.Event) -> None:
+        """Each kind of file the loop watches to its handler (``events``)."""
+        match event:
+            case events.Listening():
+                self._accept()
+            case events.Woken():
+                with contextlib.suppress(BlockingIOError):
+                    self._wake_r.recv(512)
+            case events.FromCaller(conversation):
+                self._receive(conversation)
+            case events.FromHelper(conversation):
+                self._hear(conversation)
+            case events.HelperExited(conversation):
+                self._exited(conversation)
+            case events.HelperGone(exiting):
+                self.helpers.reap(exiting)
+            case lxcfs.Event():
+                if self.views is not None:
+                    self.views.handle(event)
 
-    def _survive(self, step: Callable[[Any], None], arg: object) -> None:
+    def _survive(self, step: Callable[[], None],
+                 conversation: Conversation | None = None) -> None:
         """Run one step of the loop; the broker's own shortage of descriptors or memory
         anywhere in it (EMFILE, ENFILE, ENOMEM, ENOBUFS) pauses accepting and answers
         the request at hand "busy" instead of ending the broker (a traceback on
         /proc/N/status at the fd limit would let a tenant stop it). Any other error is a
         bug and still ends it."""
         try:
-            step(arg)
+            step()
         except OSError as err:
             if not policy.out_of_resources(err):
                 raise
             self._pause(err)
-            conversation = arg if isinstance(arg, Conversation) else (
-                arg[1] if isinstance(arg, tuple) and isinstance(arg[1], Conversation) else None)
             if conversation is not None:
                 self._abandon(conversation, policy.OutOfResources("serving the request", err))
 
@@ -446,7 +450,8 @@ class Broker:
             data = conversation.sock.recv(protocol.MAX_MESSAGE + 1)
         except BlockingIOError:
             if not conversation.watched:
-                self._selector.register(conversation.sock, selectors.EVENT_READ, conversation)
+                self._selector.register(conversation.sock, selectors.EVENT_READ,
+                                        events.FromCaller(conversation))
                 conversation.watched = True
             return
         except OSError:
@@ -548,7 +553,7 @@ class Broker:
     def _expire(self, now: float) -> None:
         if self._paused_until and now >= self._paused_until and self._listener is not None:
             self._paused_until = 0.0
-            self._selector.register(self._listener, selectors.EVENT_READ, "listen")
+            self._selector.register(self._listener, selectors.EVENT_READ, events.Listening())
         # Soonest first, and no further than the first still in time (``_soonest``).
         while self._waiting:
             conversation = next(iter(self._waiting.values()))
@@ -655,13 +660,6 @@ def _charge() -> cgroups.Charge:
         raise Failure(f"cannot see the node's cgroups: {err.strerror or err} (the broker "
                       "needs host PID and CAP_SYS_ADMIN to join the node's cgroup "
                       "namespace)") from None
-
-
-def _urgency(data: object) -> int:
-    """The order a turn serves what is ready in: helpers, then requests, then accepts."""
-    if isinstance(data, tuple | Exiting):
-        return 0
-    return 2 if data == "listen" else 1
 
 
 def _answer(sock: socket.socket, message: bytes) -> None:
