@@ -72,7 +72,7 @@ from typing import Any
 from bench.broker import DAEMONSET, deployed_flags, fd_count, rss_kib
 from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker import cgroups, frames, protocol, records, reports, shares
-from fuse_plugin.broker.conversation import Conversation
+from fuse_plugin.broker.conversation import Conversation, State
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
 from fuse_plugin.broker.helper import Job
 from fuse_plugin.broker.settings import DEFAULT_MAX_MOUNTS_POD
@@ -383,6 +383,8 @@ def drive_helpers(directory: Path, count: int, groups: int, callers_group: str =
                                  charge)
         finally:
             cgroups.close(charge)
+        work.advance(State.QUEUED)  # where the loop's scheduler puts a started request
+        work.advance(State.RUNNING)
         works.append(work)
     for step in ("mark", "facts", "built"):
         pending = reach(works, directory)

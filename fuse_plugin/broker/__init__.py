@@ -3,8 +3,8 @@
 Follow a request from the socket to the mount in ``server`` (the loop: accept, limits,
 deadlines), ``scheduler`` (which request's helper runs when; helpers past their deadline,
 killed, stuck), ``events`` (what the loop's selector hands back, one type a kind of
-file), ``conversation`` (one request: its rules, the verdict on what the
-helper reached, the record of a new mount) and ``reports`` (the helper's words, each in
+file), ``conversation`` (one request: its states, its rules, the verdict on what
+the helper reached, the record of a new mount) and ``reports`` (the helper's words, each in
 its turn). ``command`` runs it, ``settings`` holds its flags, ``node`` sets up the node
 (the shim, fusectl). ``protocol`` is what the broker and the fusermount3 shim
 (``native/fusermount3.c``) say, ``frames`` what the loop and its helper say, ``helper``

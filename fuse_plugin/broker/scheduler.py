@@ -30,7 +30,7 @@ from pathlib import Path
 
 from fuse_plugin import logs
 from fuse_plugin.broker import cgroups, events, frames, policy, records, shares
-from fuse_plugin.broker.conversation import Conversation
+from fuse_plugin.broker.conversation import Conversation, State
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
 from fuse_plugin.broker.helper import Job
 from fuse_plugin.broker.reports import HelperFailed
@@ -90,6 +90,7 @@ class Scheduler:
 
     def queue(self, conversation: Conversation) -> None:
         """An admitted request waits for its container's helper (it may start now)."""
+        conversation.advance(State.QUEUED)
         self.queued.setdefault(conversation.container,
                                collections.deque()).append(conversation)
         self.next(conversation.container)
@@ -146,6 +147,7 @@ class Scheduler:
                     fail(conversation, HelperFailed(f"cannot start {HELPER_NAME}: "
                                                     f"{err.strerror or err}"))
                 continue
+            conversation.advance(State.RUNNING)
             self.running[container] = conversation
             job = conversation.job
             self.selector.register(job.ctl, selectors.EVENT_READ, events.FromHelper(conversation))

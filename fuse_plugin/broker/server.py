@@ -56,7 +56,7 @@ from fuse_plugin.broker import (
 )
 from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker.admission import Admission, Limits
-from fuse_plugin.broker.conversation import Conversation
+from fuse_plugin.broker.conversation import Conversation, State
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
 from fuse_plugin.broker.reports import Built, Done, HelperFailed, Marked, MountFacts, UnmountFacts
 from fuse_plugin.broker.scheduler import Answers, Scheduler
@@ -370,7 +370,7 @@ class Broker:
         self.helpers.withdraw(conversation)
         if conversation.job is not None and conversation.job.ctl.fileno() != -1:
             conversation.job.send(go=0)
-        if not conversation.answered:
+        if not conversation.ended:
             self._refuse(conversation, refused)
         self.helpers.release(conversation)
 
@@ -461,6 +461,7 @@ class Broker:
             self._drop(conversation)
             return
         if self.views is not None and lxcfs.asks(data):
+            conversation.advance(State.BINDING)
             self.views.request(conversation, data)
             return
         try:
@@ -625,12 +626,13 @@ class Broker:
                        last_reason=budget.bounded(summary.reason))
 
     def _reply(self, conversation: Conversation, **fields: object) -> None:
-        conversation.answered = True
+        conversation.advance(State.ANSWERED)
         self._end(conversation)
         _answer(conversation.sock, protocol.encode(**fields))
         conversation.caller.close()
 
     def _drop(self, conversation: Conversation) -> None:
+        conversation.advance(State.DROPPED)
         self._end(conversation)
         conversation.sock.close()
         conversation.caller.close()

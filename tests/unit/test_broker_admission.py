@@ -22,7 +22,7 @@ import pytest
 from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker import protocol, server
 from fuse_plugin.broker.admission import Admission, Limits
-from fuse_plugin.broker.conversation import Conversation
+from fuse_plugin.broker.conversation import Conversation, State
 from fuse_plugin.broker.helper import Job
 from fuse_plugin.broker.policy import Refused
 from fuse_plugin.broker.records import Record, Records
@@ -230,6 +230,8 @@ def running(broker: Broker, said: list[dict[str, str]],
     work, theirs = mount_request(broker)
     job = StandInJob(said, deadline if deadline is not None else time.monotonic() + 5)
     work.job = cast("Job", job)
+    work.advance(State.QUEUED)
+    work.advance(State.RUNNING)
     broker.helpers.running[work.container] = work
     return work, theirs, job
 
@@ -274,6 +276,7 @@ def broker_stopping(broker: Broker, patch: pytest.MonkeyPatch) -> socket.socket:
 def broker_stopping_while_queued(broker: Broker, patch: pytest.MonkeyPatch
                                  ) -> socket.socket:
     work, theirs = mount_request(broker)
+    work.advance(State.QUEUED)
     broker.helpers.queued[work.container] = collections.deque([work])
     broker._close()
     return theirs
@@ -299,6 +302,7 @@ def helper_cannot_start(broker: Broker, patch: pytest.MonkeyPatch) -> socket.soc
 
     patch.setattr(Job, "start", start)
     work, theirs = mount_request(broker)
+    work.advance(State.QUEUED)
     broker.helpers.queued[work.container] = collections.deque([work])
     broker.helpers.next(work.container)
     return theirs
@@ -354,6 +358,8 @@ def test_an_unmount_done_counts_its_mount_no_more(loop: Broker, kernel: Kernel) 
     facts = {"status": "facts", "mount": "77", "fstype": "fuse", "dev": f"0:{connection}"}
     work.job = cast("Job", StandInJob([MARK, facts, {"status": "ok", "mnt_id": "77"}],
                                       time.monotonic() + 5))
+    work.advance(State.QUEUED)
+    work.advance(State.RUNNING)
     loop.helpers.running[A] = work
     loop._hear(work)
     loop._hear(work)

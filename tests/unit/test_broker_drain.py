@@ -26,7 +26,7 @@ import pytest
 
 from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker import protocol, scheduler, server
-from fuse_plugin.broker.conversation import Conversation
+from fuse_plugin.broker.conversation import Conversation, State
 from fuse_plugin.broker.helper import Job
 from fuse_plugin.broker.server import Broker
 from fuse_plugin.broker.settings import BrokerSettings
@@ -149,6 +149,7 @@ def held(broker: Broker, container: str, path: str, waiting: bool = False
         return work, theirs
     work.parsed = protocol.Request(op="mount", path=path, fuse_fd=3)
     work.slot = broker.admission.admit(container)
+    work.advance(State.QUEUED)
     broker.helpers.queued.setdefault(container, collections.deque()).append(work)
     return work, theirs
 
@@ -248,7 +249,7 @@ def test_the_drain_stops_accepting_serves_what_it_holds_and_refuses_the_rest_wit
     assert [name for name, h in helpers.items() if h.killed_at is not None] == ["/mnt/b1"]
     assert started == ["/mnt/a1", "/mnt/b1", "/mnt/c1", "/mnt/a2"]  # B's second: never
     assert (broker.admission.in_flight, broker.admission.node()) == (0, 3)
-    assert w.answered
+    assert w.state is State.ANSWERED
 
 
 def test_a_silent_connection_does_not_hold_the_drain(

@@ -19,7 +19,7 @@ import pytest
 
 from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker import protocol, scheduler
-from fuse_plugin.broker.conversation import Conversation
+from fuse_plugin.broker.conversation import Conversation, State
 from fuse_plugin.broker.helper import Job
 from fuse_plugin.broker.server import Broker
 from fuse_plugin.broker.settings import BrokerSettings
@@ -63,6 +63,7 @@ def queue(loop: Broker, container: str) -> socket.socket:
     who = callers.Caller(pid=1, uid=0, gid=0, pidfd=-1, container=container)
     work = Conversation(ours, who, time.monotonic() + 5)
     work.parsed = protocol.Request(op="unmount", path="/mnt/x")
+    work.advance(State.QUEUED)
     loop.helpers.queued.setdefault(container, collections.deque()).append(work)
     return theirs
 
