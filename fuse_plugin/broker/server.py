@@ -41,8 +41,8 @@ import time
 from collections.abc import Callable
 
 from fuse_plugin import files, logs, sockets
+from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker import (
-    budget,
     cgroups,
     events,
     lxcfs,
@@ -54,10 +54,10 @@ from fuse_plugin.broker import (
     scheduler,
     shares,
 )
-from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker.admission import Admission, Limits
 from fuse_plugin.broker.conversation import Conversation, State
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
+from fuse_plugin.broker.replies import Replies
 from fuse_plugin.broker.reports import Built, Done, HelperFailed, Marked, MountFacts, UnmountFacts
 from fuse_plugin.broker.scheduler import Answers, Scheduler
 from fuse_plugin.broker.settings import DEFAULT_SHIM, BrokerSettings
@@ -115,14 +115,13 @@ class Broker:
         self._refuses_descriptors = False
         self._paused_until = 0.0
         self._pruned = 0.0
-        self._busy = 0  # refused at accept since the last summary line
-        self._busy_said = 0.0
         self._waiting: dict[int, Conversation] = {}  # by socket fd: no complete request yet
+        self.replies = Replies(log, self.stats, self.admission, self.open)
         self.helpers = Scheduler(
             self._selector, self.caps, helper_binary=self.helper_binary, store=self.records,
             stats=self.stats, log=log,
-            answers=Answers(refuse=self._refuse, fail=self._fail, pause=self._pause))
-        self._budget = budget.LogBudget()  # lines per tenant and kind of refusal
+            answers=Answers(refuse=self.replies.refuse, fail=self.replies.fail,
+                            pause=self._pause))
         self.views: lxcfs.Views | None = None  # LXCFS views (lxcfs.py), from start
 
     # -- start and stop ------------------------------------------------------------------
@@ -255,23 +254,23 @@ class Broker:
             self._unwait(conversation)
         queued = self.helpers.take_queued()
         for conversation in [*waiting, *queued]:
-            self._refuse(conversation, stopping, retry=True)
+            self.replies.refuse(conversation, stopping, retry=True)
         running = self.helpers.running
         for conversation in [w for w in running.values() if not w.acting]:
-            self._refuse(conversation, stopping, retry=True)
+            self.replies.refuse(conversation, stopping, retry=True)
             self.helpers.release(conversation)
         self._turn_while(lambda: bool(running), end + scheduler.HELPER_DEADLINE)
         for conversation in list(running.values()):  # past their deadlines: not expired yet
             if conversation.job is not None:
                 conversation.job.kill()
-            self._fail(conversation, HelperFailed("the broker is stopping"))
+            self.replies.fail(conversation, HelperFailed("the broker is stopping"))
         self.helpers.close()
         if self.views is not None:
             self.views.close()
         if self._signals_wake and threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(-1)
         self._selector.close()
-        self._summarise(time.monotonic(), everything=True)
+        self.replies.summarise(time.monotonic(), everything=True)
         logs.event(self.log, "stopped")
 
     def _stop_listening(self) -> None:
@@ -371,7 +370,7 @@ class Broker:
         if conversation.job is not None and conversation.job.ctl.fileno() != -1:
             conversation.job.send(go=0)
         if not conversation.ended:
-            self._refuse(conversation, refused)
+            self.replies.refuse(conversation, refused)
         self.helpers.release(conversation)
 
     def _accept(self) -> None:
@@ -405,7 +404,7 @@ class Broker:
             refused = policy.Refused(f"cannot identify the caller: "
                                      f"{err.strerror or err}", "caller")
         if refused is not None:
-            self._refuse_at_accept(sock, who, refused)
+            self.replies.refuse_at_accept(sock, who, refused)
             return
         assert who is not None
         assert ticket is not None
@@ -415,24 +414,6 @@ class Broker:
         # The shim sends as soon as it connects, so the request is usually there
         # already: read it now rather than after another turn of the selector.
         self._receive(conversation)
-
-    def _refuse_at_accept(self, sock: socket.socket, who: callers.Caller | None,
-                          refused: policy.Refused) -> None:
-        """Answered at once, so that a flood holds no slot (the shim reads the answer
-        even when its send finds the connection closed), and logged as one line a second
-        however many there are."""
-        self.stats.refused(refused.kind)
-        self._busy += 1
-        now = time.monotonic()
-        if now - self._busy_said >= 1.0:
-            logs.event(self.log, "broker.refused", logging.WARNING, connections=self._busy,
-                       kind=refused.kind, reason=budget.bounded(str(refused)),
-                       pid=who.pid if who else 0,
-                       cgroup=budget.bounded(who.container if who else ""))
-            self._busy, self._busy_said = 0, now
-        _answer(sock, protocol.encode(status="error", message=f"broker refused: {refused}"))
-        if who is not None:
-            who.close()
 
     def _pause(self, err: OSError) -> None:
         """Out of fds: stop accepting for a moment (the backlog holds the callers) and
@@ -458,7 +439,7 @@ class Broker:
             data = b""
         self._unwait(conversation)
         if not data:
-            self._drop(conversation)
+            self.replies.drop(conversation)
             return
         if self.views is not None and lxcfs.asks(data):
             conversation.advance(State.BINDING)
@@ -469,7 +450,7 @@ class Broker:
         except policy.Refused as refused:
             if isinstance(refused, policy.OutOfResources):
                 self._pause(refused.error)
-            self._refuse(conversation, refused)
+            self.replies.refuse(conversation, refused)
             return
         self.helpers.queue(conversation)
 
@@ -503,9 +484,9 @@ class Broker:
             return
         except policy.Refused as refused:
             job.send(go=0)
-            self._refuse(conversation, refused)
+            self.replies.refuse(conversation, refused)
         except HelperFailed as failed:
-            self._fail(conversation, failed)
+            self.replies.fail(conversation, failed)
         self.helpers.release(conversation)
 
     def _record(self, conversation: Conversation, built: Built) -> None:
@@ -527,9 +508,7 @@ class Broker:
         if conversation.unmounting is not None:
             self.admission.unmounted(conversation.unmounting)
             self.mounts_held = self.records.by_container()
-        self.stats.served(conversation.request.op)
-        self._log(conversation, f"broker.{conversation.request.op}", logging.INFO)
-        self._reply(conversation, status="ok", mount_id=done.mount_id)
+        self.replies.served(conversation, conversation.request.op, mount_id=done.mount_id)
         self.helpers.release(conversation)
 
     def _exited(self, conversation: Conversation) -> None:
@@ -546,9 +525,9 @@ class Broker:
                 self._succeed(conversation, report)
                 return
             except policy.Refused as refused:
-                self._refuse(conversation, refused)
+                self.replies.refuse(conversation, refused)
             except HelperFailed as failed:
-                self._fail(conversation, failed)
+                self.replies.fail(conversation, failed)
             self.helpers.release(conversation)
 
     def _expire(self, now: float) -> None:
@@ -561,12 +540,12 @@ class Broker:
             if conversation.deadline > now:
                 break
             self._unwait(conversation)
-            self._refuse(conversation, policy.Refused(
+            self.replies.refuse(conversation, policy.Refused(
                 f"no complete request within {REQUEST_DEADLINE:g}s", "request"))
         self.helpers.expire(now)
         if self.views is not None:
             self.views.expire(now)
-        self._summarise(now)
+        self.replies.summarise(now)
         if now - self._pruned >= PRUNE_EVERY:
             self._pruned = now
             self.admission.prune()
@@ -574,79 +553,17 @@ class Broker:
 
     # -- answers -------------------------------------------------------------------------
 
-    def _refuse(self, conversation: Conversation, refused: policy.Refused,
-                retry: bool = False, later: bool = False) -> None:
-        """``retry``: nothing of the request was done and the broker is going away; the
-        shim asks the next one (protocol.RETRY_FIELD). ``later``: no lxcfs serves yet;
-        the shim asks again within its wait (lxcfs.LATER_FIELD)."""
-        conversation.fields.update(reason=str(refused), kind=refused.kind)
-        if retry:
-            conversation.fields["retry"] = True
-        self.stats.refused(refused.kind)
-        if self._budget.admit(conversation.container, refused.kind, str(refused), time.monotonic()):
-            self._log(conversation, "broker.refused", logging.WARNING)
-        self._reply(conversation, status="error", message=f"broker refused: {refused}",
-                    **({protocol.RETRY_FIELD: 1} if retry else {}),
-                    **({lxcfs.LATER_FIELD: 1} if later else {}))
-
     def _answer_lxcfs(self, conversation: Conversation, outcome: policy.Refused | str | None,
                       later: bool) -> None:
         """How an lxcfs request (lxcfs.Views) ended: bound, refused or failed."""
         if outcome is None:
-            self.stats.served(lxcfs.OP)
-            self._log(conversation, "broker.lxcfs", logging.INFO)
-            self._reply(conversation, status="ok")
+            self.replies.served(conversation, lxcfs.OP)
         elif isinstance(outcome, policy.Refused):
             if isinstance(outcome, policy.OutOfResources):
                 self._pause(outcome.error)
-            self._refuse(conversation, outcome, later=later)
+            self.replies.refuse(conversation, outcome, later=later)
         else:
-            self._fail(conversation, HelperFailed(outcome))
-
-    def _fail(self, conversation: Conversation, failed: HelperFailed) -> None:
-        conversation.fields["reason"] = str(failed)
-        self.stats.failed()
-        if self._budget.admit(conversation.container, "failed", str(failed), time.monotonic()):
-            self._log(conversation, "broker.failed", logging.ERROR)
-        self._reply(conversation, status="error", message=f"broker: {failed}")
-
-    def _log(self, conversation: Conversation, event: str, level: int) -> None:
-        # Logged before the reply: whoever sees the answer can already find its line.
-        took = time.perf_counter() - conversation.started
-        conversation.fields["duration_ms"] = round(took * 1000, 2)
-        logs.event(self.log, event, level,
-                   **{k: budget.bounded(v) for k, v in conversation.fields.items()})
-
-    def _summarise(self, now: float, everything: bool = False) -> None:
-        """One line per container and kind whose refusals went unlogged this interval."""
-        for summary in self._budget.due(now, everything):
-            logs.event(self.log, "broker.refused_summary", logging.WARNING,
-                       cgroup=budget.bounded(summary.container), kind=summary.kind,
-                       suppressed=summary.suppressed, seconds=summary.seconds,
-                       last_reason=budget.bounded(summary.reason))
-
-    def _reply(self, conversation: Conversation, **fields: object) -> None:
-        conversation.advance(State.ANSWERED)
-        self._end(conversation)
-        _answer(conversation.sock, protocol.encode(**fields))
-        conversation.caller.close()
-
-    def _drop(self, conversation: Conversation) -> None:
-        conversation.advance(State.DROPPED)
-        self._end(conversation)
-        conversation.sock.close()
-        conversation.caller.close()
-
-    def _end(self, conversation: Conversation) -> None:
-        """Every request ends in ``_reply`` or ``_drop``, however it went (done, refused,
-        failed, past its deadline, the broker stopping), so a mount's slot is given back
-        here, once (a slot its record took counts as that record), and so is its place
-        among the open requests, both before the answer: a caller that asks again on
-        hearing it finds them free."""
-        self.admission.release(conversation.slot)
-        conversation.slot = None
-        self.open.release(conversation.ticket)
-        conversation.ticket = None
+            self.replies.fail(conversation, HelperFailed(outcome))
 
 
 def _charge() -> cgroups.Charge:
@@ -662,17 +579,3 @@ def _charge() -> cgroups.Charge:
         raise Failure(f"cannot see the node's cgroups: {err.strerror or err} (the broker "
                       "needs host PID and CAP_SYS_ADMIN to join the node's cgroup "
                       "namespace)") from None
-
-
-def _answer(sock: socket.socket, message: bytes) -> None:
-    """Send the one reply and close. Closing a unix socket with unread messages makes
-    the peer's next read fail (ECONNRESET) before it sees the reply: so further sends are
-    shut out first and whatever arrived is drained (a few messages at most; the socket
-    carries no descriptors)."""
-    with contextlib.suppress(OSError):
-        sock.send(message)
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RD)
-        while sock.recv(protocol.MAX_MESSAGE + 1):
-            pass
-    sock.close()

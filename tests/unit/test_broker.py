@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fuse_plugin.broker import mountinfo, policy, protocol, scheduler, server
+from fuse_plugin.broker import mountinfo, policy, protocol, replies, scheduler, server
 from fuse_plugin.broker.node import install_shim
 from fuse_plugin.broker.policy import Existing, Mark, MountOptions, Owner, Refused, Target
 from fuse_plugin.broker.records import Record, Records
@@ -452,7 +452,7 @@ def test_shim_reads_a_refusal_given_before_its_request_arrived(shim: Path,
                                 env={protocol.SOCKET_ENV: str(path)},
                                 stderr=subprocess.PIPE, text=True)
         conn, _ = fake.accept()
-        server._answer(conn, protocol.encode(status="error",
+        replies.answer(conn, protocol.encode(status="error",
                                              message="broker refused: busy"))
         _, err = proc.communicate(timeout=10)
     assert (proc.returncode, err) == (1, "fusermount3: broker refused: busy\n")
@@ -535,7 +535,7 @@ def test_shim_waits_for_a_restarting_broker_and_its_mount_is_then_served(
                 conn, _ = fake.accept()
                 with conn:
                     request = protocol.parse_request(conn.recv(protocol.MAX_MESSAGE))
-                    server._answer(conn, protocol.encode(status="ok", mount_id=7))
+                    replies.answer(conn, protocol.encode(status="ok", mount_id=7))
             _, fds, _flags, _addr = socket.recv_fds(ours, 1, 1)
         finally:
             status = _finish(proc)
@@ -572,7 +572,7 @@ def test_shim_asks_again_when_the_broker_went_away_without_reading_its_request(
             conn, _ = fake.accept()
             with conn:
                 request = protocol.parse_request(conn.recv(protocol.MAX_MESSAGE))
-                server._answer(conn, protocol.encode(status="ok", mount_id=7))
+                replies.answer(conn, protocol.encode(status="ok", mount_id=7))
     finally:
         status = _finish(proc)
     assert said == _waiting_line(path, "it closed the connection unread",

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from fuse_plugin.broker import caller as callers
-from fuse_plugin.broker import protocol, scheduler, server
+from fuse_plugin.broker import protocol, replies, scheduler, server
 from fuse_plugin.broker.conversation import Conversation, State
 from fuse_plugin.broker.helper import Job
 from fuse_plugin.broker.server import Broker
@@ -319,7 +319,7 @@ def _serve_one(listener: socket.socket, **answer: object) -> protocol.Request:
     conn, _ = listener.accept()
     with conn:
         request = protocol.parse_request(conn.recv(protocol.MAX_MESSAGE))
-        server._answer(conn, protocol.encode(**answer))
+        replies.answer(conn, protocol.encode(**answer))
     return request
 
 

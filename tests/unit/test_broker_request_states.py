@@ -114,9 +114,9 @@ def test_the_loop_answers_a_request_once(tmp_path: Path,
                                    lxcfs_dir=tmp_path / "lxcfs"), logging.getLogger("test"))
     ours, theirs = pair
     conversation = at(State.CONNECTED, ours)
-    broker._refuse(conversation, policy.Refused("first", "request"))
+    broker.replies.refuse(conversation, policy.Refused("first", "request"))
     with pytest.raises(IllegalTransition, match="a request answered cannot become answered"):
-        broker._refuse(conversation, policy.Refused("second", "request"))
+        broker.replies.refuse(conversation, policy.Refused("second", "request"))
     theirs.setblocking(False)
     assert protocol.decode(theirs.recv(protocol.MAX_MESSAGE))["message"] == \
         "broker refused: first"
