@@ -1,7 +1,9 @@
 """The broker's loop: one thread, one ``selectors`` loop, every tenant's requests.
 
 Follow a request from the socket to the mount here. The loop serves a
-``SOCK_SEQPACKET`` socket in the broker directory, which Allocate binds into containers:
+``SOCK_SEQPACKET`` socket in the broker directory, which Allocate binds into containers;
+what its selector hands back is one small type per kind of file (``events``), each
+matched to its handler in ``_dispatch``:
 
 1. accept: the kernel names the caller (``caller.identify``); per-container, per-pod and
    node-wide limits on open connections (``shares``: each node-wide cap is a pod's share
@@ -11,20 +13,22 @@ Follow a request from the socket to the mount here. The loop serves a
 2. the request arrives: ``Conversation.prepare`` (``conversation.py``) checks the
    message, the path and option rules (``policy``), admits a mount under the caps
    (``admission``: it takes a slot, which its record replaces or the end of the request
-   gives back) and opens the caller's namespaces (``Caller.open``).
+   gives back) and opens the caller's namespaces (``Caller.open``); it waits for its
+   container's helper (``scheduler``: one per container, a pod's share, deadlines,
+   helpers stuck in the kernel).
 3. the helper (``helper.Job``, ``native/helper.c``) judges the caller's /dev/fuse fd
    from /proc and takes it, enters its namespaces, resolves the path from the
    namespace's root and reports each step (``reports``); the conversation judges
    (``policy.may_mount`` / ``may_unmount``) and records a new mount before it is
    attached; the loop answers go or no, and replies when the helper is done.
 
-The loop does no path walk, no close of a tenant's file and no call that a tenant's
-FUSE daemon could stall: the helper does, with a deadline, one per container at a time.
-Every request is logged in one line: ``broker.mount``, ``broker.unmount``,
-``broker.refused`` (a rule) or ``broker.failed`` (the kernel or a deadline said no).
-The command around the loop is ``command.py``, its settings ``settings.py``.
+A request moves through named states (``conversation.State``) and ends in one reply or
+a drop (``replies``). The loop does no path walk, no close of a tenant's file and no
+call that a tenant's FUSE daemon could stall: the helper does, with a deadline. Every
+request is logged in one line: ``broker.mount``, ``broker.unmount``, ``broker.refused``
+(a rule) or ``broker.failed`` (the kernel or a deadline said no). The command around
+the loop is ``command.py``, its settings ``settings.py``.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -98,8 +102,6 @@ class Broker:
             node=self.caps.mounts))
         self.open = shares.OpenRequests(self.caps)
         self.turned = time.monotonic()
-        # Published for the probe thread: replaced whole, never changed in place.
-        self.mounts_held: dict[str, int] = {}
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
         self._identity: files.Identity | None = None
@@ -501,13 +503,11 @@ class Broker:
             if policy.out_of_resources(err):
                 self._pause(err)
             raise HelperFailed(f"cannot record the mount: {err.strerror or err}") from None
-        self.mounts_held = self.records.by_container()
 
     def _succeed(self, conversation: Conversation, done: Done) -> None:
         conversation.done(done)
         if conversation.unmounting is not None:
             self.admission.unmounted(conversation.unmounting)
-            self.mounts_held = self.records.by_container()
         self.replies.served(conversation, conversation.request.op, mount_id=done.mount_id)
         self.helpers.release(conversation)
 
@@ -549,7 +549,6 @@ class Broker:
         if now - self._pruned >= PRUNE_EVERY:
             self._pruned = now
             self.admission.prune()
-            self.mounts_held = self.records.by_container()
 
     # -- answers -------------------------------------------------------------------------
 

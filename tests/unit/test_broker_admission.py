@@ -366,4 +366,4 @@ def test_an_unmount_done_counts_its_mount_no_more(loop: Broker, kernel: Kernel) 
     kernel.end(connection)  # what the helper's umount2 did
     loop._hear(work)
     assert answer(theirs) == "ok"
-    assert (loop.admission.node(), loop.mounts_held) == (0, {})
+    assert (loop.admission.node(), loop.admission.mounts_held) == (0, {})
