@@ -85,8 +85,9 @@ from typing import Any
 from bench import broker as bench
 from bench import broker_full_node as full_node
 from fuse_plugin.broker import protocol, shares
+from fuse_plugin.broker.requests import REQUEST_DEADLINE
 from fuse_plugin.broker.scheduler import HELPER_DEADLINE
-from fuse_plugin.broker.server import REQUEST_DEADLINE, TURN
+from fuse_plugin.broker.server import TURN
 from fuse_plugin.broker.settings import BrokerSettings
 from tests.lib import broker as broker_rig
 from tests.lib import oci, waiting

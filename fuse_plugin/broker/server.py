@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import itertools
 import logging
 import os
 import selectors
@@ -59,10 +58,11 @@ from fuse_plugin.broker import (
     shares,
 )
 from fuse_plugin.broker.admission import Admission, Limits
-from fuse_plugin.broker.conversation import Conversation, State
+from fuse_plugin.broker.conversation import Conversation
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
 from fuse_plugin.broker.replies import Replies
-from fuse_plugin.broker.reports import Built, Done, HelperFailed, Marked, MountFacts, UnmountFacts
+from fuse_plugin.broker.reports import HelperFailed
+from fuse_plugin.broker.requests import Requests
 from fuse_plugin.broker.scheduler import Answers, Scheduler
 from fuse_plugin.broker.settings import DEFAULT_SHIM, BrokerSettings
 from fuse_plugin.broker.stats import BrokerStats
@@ -77,7 +77,6 @@ from fuse_plugin.errors import EXIT_USAGE, Failure
 PER_CONTAINER = shares.PER_CONTAINER
 PER_POD = shares.PER_POD
 PER_POD_HELPERS = shares.PER_POD_HELPERS
-REQUEST_DEADLINE = 5.0  # seconds from accept to a complete request
 ACCEPT_PAUSE = 1.0  # out of fds: the backlog waits this long before the next accept
 # SIGTERM: the drain. Requests already held go on for this long (a helper at work then
 # reaches its own deadline within it); see Broker._close.
@@ -105,7 +104,6 @@ class Broker:
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
         self._identity: files.Identity | None = None
-        self._mark = policy.Mark("", "")
         # Wakes the loop: signals (set_wakeup_fd, armed in start) and stop().
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -117,13 +115,15 @@ class Broker:
         self._refuses_descriptors = False
         self._paused_until = 0.0
         self._pruned = 0.0
-        self._waiting: dict[int, Conversation] = {}  # by socket fd: no complete request yet
         self.replies = Replies(log, self.stats, self.admission, self.open)
         self.helpers = Scheduler(
             self._selector, self.caps, helper_binary=self.helper_binary, store=self.records,
             stats=self.stats, log=log,
             answers=Answers(refuse=self.replies.refuse, fail=self.replies.fail,
                             pause=self._pause))
+        self.requests = Requests(self._selector, settings, admission=self.admission,
+                                 store=self.records, helpers=self.helpers,
+                                 replies=self.replies, pause=self._pause)
         self.views: lxcfs.Views | None = None  # LXCFS views (lxcfs.py), from start
 
     # -- start and stop ------------------------------------------------------------------
@@ -151,14 +151,15 @@ class Broker:
             # Every container user must reach the socket through the directory's bind.
             settings.directory.chmod(0o755)
             shim = node.install_shim(settings.directory, settings.shim.read_bytes())
-            self._mark = mountinfo.mark_of(settings.directory)
+            mark = mountinfo.mark_of(settings.directory)
             self._listen()
             self.views = lxcfs.Views(
                 self._selector, tool=self.helper_binary.parent / lxcfs.TOOL_NAME,
                 directory=settings.lxcfs_dir, state=settings.state / "lxcfs",
-                mark=self._mark, log=self.log,
-                answer=self._answer_lxcfs)
+                mark=mark, log=self.log,
+                answer=self.requests.answer_lxcfs)
             self.views.start()
+            self.requests.serve(mark, self.views)
         except OSError as err:
             raise Failure(f"cannot serve in {settings.directory}: {err.strerror or err}") \
                 from None
@@ -251,9 +252,7 @@ class Broker:
         self._turn_while(lambda: self.helpers.holding, end)
         stopping = policy.Refused("the broker is stopping and did nothing of this "
                                   "request; try again", "busy")
-        waiting = list(self._waiting.values())
-        for conversation in waiting:
-            self._unwait(conversation)
+        waiting = self.requests.take_waiting()
         queued = self.helpers.take_queued()
         for conversation in [*waiting, *queued]:
             self.replies.refuse(conversation, stopping, retry=True)
@@ -324,8 +323,7 @@ class Broker:
         entry has the soonest: a turn costs the same however many are open (listing
         every deadline cost a full node's silent connections a large share of the loop's
         time: bench/README.md, "The broker at its caps")."""
-        soonest = [w.deadline for w in itertools.islice(self._waiting.values(), 1)]
-        soonest += self.helpers.soonest()
+        soonest = self.requests.soonest() + self.helpers.soonest()
         return soonest + (self.views.soonest() if self.views is not None else [])
 
     def _dispatch(self, event: events.Event) -> None:
@@ -337,11 +335,11 @@ class Broker:
                 with contextlib.suppress(BlockingIOError):
                     self._wake_r.recv(512)
             case events.FromCaller(conversation):
-                self._receive(conversation)
+                self.requests.receive(conversation)
             case events.FromHelper(conversation):
-                self._hear(conversation)
+                self.requests.hear(conversation)
             case events.HelperExited(conversation):
-                self._exited(conversation)
+                self.requests.exited(conversation)
             case events.HelperGone(exiting):
                 self.helpers.reap(exiting)
             case lxcfs.Event():
@@ -362,18 +360,8 @@ class Broker:
                 raise
             self._pause(err)
             if conversation is not None:
-                self._abandon(conversation, policy.OutOfResources("serving the request", err))
-
-    def _abandon(self, conversation: Conversation, refused: policy.Refused) -> None:
-        """Answer a request that a shortage interrupted, wherever it was."""
-        if self._waiting.get(conversation.sock.fileno()) is conversation:
-            self._unwait(conversation)
-        self.helpers.withdraw(conversation)
-        if conversation.job is not None and conversation.job.ctl.fileno() != -1:
-            conversation.job.send(go=0)
-        if not conversation.ended:
-            self.replies.refuse(conversation, refused)
-        self.helpers.release(conversation)
+                self.requests.abandon(conversation,
+                                      policy.OutOfResources("serving the request", err))
 
     def _accept(self) -> None:
         """One new connection a turn. Taking it reads its request and may start a
@@ -410,12 +398,7 @@ class Broker:
             return
         assert who is not None
         assert ticket is not None
-        conversation = Conversation(sock, who, time.monotonic() + REQUEST_DEADLINE, ticket=ticket)
-        conversation.fields.update(pid=who.pid, uid=who.uid, cgroup=who.container)
-        self._waiting[sock.fileno()] = conversation
-        # The shim sends as soon as it connects, so the request is usually there
-        # already: read it now rather than after another turn of the selector.
-        self._receive(conversation)
+        self.requests.arrived(sock, who, ticket)
 
     def _pause(self, err: OSError) -> None:
         """Out of fds: stop accepting for a moment (the backlog holds the callers) and
@@ -428,120 +411,11 @@ class Broker:
         logs.event(self.log, "broker.accept_paused", logging.WARNING,
                    reason=err.strerror or str(err), seconds=ACCEPT_PAUSE)
 
-    def _receive(self, conversation: Conversation) -> None:
-        try:
-            data = conversation.sock.recv(protocol.MAX_MESSAGE + 1)
-        except BlockingIOError:
-            if not conversation.watched:
-                self._selector.register(conversation.sock, selectors.EVENT_READ,
-                                        events.FromCaller(conversation))
-                conversation.watched = True
-            return
-        except OSError:
-            data = b""
-        self._unwait(conversation)
-        if not data:
-            self.replies.drop(conversation)
-            return
-        if self.views is not None and lxcfs.asks(data):
-            conversation.advance(State.BINDING)
-            self.views.request(conversation, data)
-            return
-        try:
-            conversation.prepare(data, self.admission)
-        except policy.Refused as refused:
-            if isinstance(refused, policy.OutOfResources):
-                self._pause(refused.error)
-            self.replies.refuse(conversation, refused)
-            return
-        self.helpers.queue(conversation)
-
-    def _unwait(self, conversation: Conversation) -> None:
-        """The connection leaves the selector: its request arrived, or it never will."""
-        if conversation.watched:
-            self._selector.unregister(conversation.sock)
-            conversation.watched = False
-        del self._waiting[conversation.sock.fileno()]
-
-    def _hear(self, conversation: Conversation) -> None:
-        job = conversation.job
-        if job is None or not self.helpers.is_running(conversation):
-            return  # an event for a helper that was released earlier in this turn
-        message = job.receive()
-        if message is None:
-            return
-        try:
-            report = conversation.hear(message)
-            if isinstance(report, Marked):
-                policy.allocated(report.mark, self._mark)
-                job.send(go=1)
-            elif isinstance(report, MountFacts | UnmountFacts):
-                job.send(go=1, **conversation.verdict(report, self.records,
-                                              self.settings.allow_other))
-            elif isinstance(report, Built):
-                self._record(conversation, report)
-                job.send(go=1)
-            else:
-                self._succeed(conversation, report)
-            return
-        except policy.Refused as refused:
-            job.send(go=0)
-            self.replies.refuse(conversation, refused)
-        except HelperFailed as failed:
-            self.replies.fail(conversation, failed)
-        self.helpers.release(conversation)
-
-    def _record(self, conversation: Conversation, built: Built) -> None:
-        """Crash-only records: the new mount is recorded while still detached
-        (``Conversation.record``), in its slot's place in the count; a record the broker
-        cannot write is no mount."""
-        record = conversation.record(built, self.records)
-        assert conversation.slot is not None, "a mount is admitted before its helper starts"
-        try:
-            self.admission.commit(conversation.slot, record)
-        except OSError as err:
-            if policy.out_of_resources(err):
-                self._pause(err)
-            raise HelperFailed(f"cannot record the mount: {err.strerror or err}") from None
-
-    def _succeed(self, conversation: Conversation, done: Done) -> None:
-        conversation.done(done)
-        if conversation.unmounting is not None:
-            self.admission.unmounted(conversation.unmounting)
-        self.replies.served(conversation, conversation.request.op, mount_id=done.mount_id)
-        self.helpers.release(conversation)
-
-    def _exited(self, conversation: Conversation) -> None:
-        """The helper's pidfd: it has exited. A request it had not finished fails."""
-        job = conversation.job
-        if job is None:
-            return
-        message = job.receive()  # a last word it sent before exiting
-        if self.helpers.is_running(conversation):
-            try:
-                report = conversation.hear(message or {"status": "exited"})
-                if not isinstance(report, Done):
-                    raise HelperFailed("the broker's helper exited without an answer")
-                self._succeed(conversation, report)
-                return
-            except policy.Refused as refused:
-                self.replies.refuse(conversation, refused)
-            except HelperFailed as failed:
-                self.replies.fail(conversation, failed)
-            self.helpers.release(conversation)
-
     def _expire(self, now: float) -> None:
         if self._paused_until and now >= self._paused_until and self._listener is not None:
             self._paused_until = 0.0
             self._selector.register(self._listener, selectors.EVENT_READ, events.Listening())
-        # Soonest first, and no further than the first still in time (``_soonest``).
-        while self._waiting:
-            conversation = next(iter(self._waiting.values()))
-            if conversation.deadline > now:
-                break
-            self._unwait(conversation)
-            self.replies.refuse(conversation, policy.Refused(
-                f"no complete request within {REQUEST_DEADLINE:g}s", "request"))
+        self.requests.expire(now)
         self.helpers.expire(now)
         if self.views is not None:
             self.views.expire(now)
@@ -549,20 +423,6 @@ class Broker:
         if now - self._pruned >= PRUNE_EVERY:
             self._pruned = now
             self.admission.prune()
-
-    # -- answers -------------------------------------------------------------------------
-
-    def _answer_lxcfs(self, conversation: Conversation, outcome: policy.Refused | str | None,
-                      later: bool) -> None:
-        """How an lxcfs request (lxcfs.Views) ended: bound, refused or failed."""
-        if outcome is None:
-            self.replies.served(conversation, lxcfs.OP)
-        elif isinstance(outcome, policy.Refused):
-            if isinstance(outcome, policy.OutOfResources):
-                self._pause(outcome.error)
-            self.replies.refuse(conversation, outcome, later=later)
-        else:
-            self.replies.fail(conversation, HelperFailed(outcome))
 
 
 def _charge() -> cgroups.Charge:

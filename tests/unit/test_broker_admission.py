@@ -250,14 +250,14 @@ FACTS = {"status": "facts", "mount": "41", "fstype": "ext4", "mount_point": "/mn
 
 def refused_by_the_helper(broker: Broker, patch: pytest.MonkeyPatch) -> socket.socket:
     work, theirs, _ = running(broker, [{"status": "refused", "message": "no", "kind": "path"}])
-    broker._hear(work)
+    broker.requests.hear(work)
     return theirs
 
 
 def helper_died(broker: Broker, patch: pytest.MonkeyPatch) -> socket.socket:
     work, theirs, _ = running(broker, [MARK])
-    broker._hear(work)  # a step, then it is gone without a word
-    broker._exited(work)
+    broker.requests.hear(work)  # a step, then it is gone without a word
+    broker.requests.exited(work)
     return theirs
 
 
@@ -290,9 +290,9 @@ def caller_gone(broker: Broker, patch: pytest.MonkeyPatch) -> socket.socket:
     exited.wait()
     who = callers.Caller(pid=exited.pid, uid=0, gid=0, pidfd=-1, container=A)
     work = Conversation(ours, who, time.monotonic() + 5, ticket=broker.open.admit(A))
-    broker._waiting[ours.fileno()] = work
+    broker.requests._waiting[ours.fileno()] = work
     theirs.send(protocol.encode(v="2", op="mount", path="/mnt/x", fuse_fd="3"))
-    broker._receive(work)
+    broker.requests.receive(work)
     return theirs
 
 
@@ -337,11 +337,11 @@ def test_a_mount_done_turns_its_slot_into_its_record(loop: Broker, kernel: Kerne
     done = {"status": "ok", "mnt_id": "77", "dev": f"0:{connection}", "options": "rw"}
     work, theirs, job = running(loop, [MARK, FACTS, built, done])
     for _ in range(3):
-        loop._hear(work)
+        loop.requests.hear(work)
     # Recorded while still detached: the record has taken the slot, counted once.
     assert (loop.admission.in_flight, loop.admission.container(A)) == (0, 1)
     assert loop.records.owner(connection) is not None
-    loop._hear(work)
+    loop.requests.hear(work)
     assert answer(theirs) == "ok"
     assert [s["go"] for s in job.sent] == [1, 1, 1]
     assert (loop.admission.in_flight, loop.admission.container(A)) == (0, 1)
@@ -361,9 +361,9 @@ def test_an_unmount_done_counts_its_mount_no_more(loop: Broker, kernel: Kernel) 
     work.advance(State.QUEUED)
     work.advance(State.RUNNING)
     loop.helpers.running[A] = work
-    loop._hear(work)
-    loop._hear(work)
+    loop.requests.hear(work)
+    loop.requests.hear(work)
     kernel.end(connection)  # what the helper's umount2 did
-    loop._hear(work)
+    loop.requests.hear(work)
     assert answer(theirs) == "ok"
     assert (loop.admission.node(), loop.admission.mounts_held) == (0, {})

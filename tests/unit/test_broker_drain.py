@@ -144,8 +144,8 @@ def held(broker: Broker, container: str, path: str, waiting: bool = False
     work = Conversation(ours, who, time.monotonic() + 60)
     work.fields.update(cgroup=container, path=path)
     if waiting:
-        broker._waiting[ours.fileno()] = work
-        broker._receive(work)  # nothing to read: watched by the selector
+        broker.requests._waiting[ours.fileno()] = work
+        broker.requests.receive(work)  # nothing to read: watched by the selector
         return work, theirs
     work.parsed = protocol.Request(op="mount", path=path, fuse_fd=3)
     work.slot = broker.admission.admit(container)
@@ -168,10 +168,10 @@ def hold_everything(broker: Broker, helpers: dict[str, GatedHelper]
     for container in (A, B, C):
         broker.helpers.next(container)  # the first of each starts its helper
     helpers["/mnt/b1"].say()  # B's helper reports its mark, then stalls
-    broker._hear(broker.helpers.running[B])
+    broker.requests.hear(broker.helpers.running[B])
     helpers["/mnt/c1"].say(2)  # C's is told to go on past the facts
-    broker._hear(broker.helpers.running[C])
-    broker._hear(broker.helpers.running[C])
+    broker.requests.hear(broker.helpers.running[C])
+    broker.requests.hear(broker.helpers.running[C])
     assert broker.helpers.running[C].acting
     assert not broker.helpers.running[B].acting
     helpers["/mnt/a1"].say(4)  # A's have everything to say, once heard
