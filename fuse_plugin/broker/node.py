@@ -1,6 +1,7 @@
 """What the broker sets up on the node itself: the shim where Allocate binds it from,
-its sockets' paths taken over from a killed broker, and the FUSE connections' control
-files (fusectl; ``records.abort`` uses them)."""
+its sockets' paths taken over from a killed broker, the FUSE connections' control
+files (fusectl; ``records.abort`` uses them) and the node's cgroups its helpers are
+charged in."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import socket
 from pathlib import Path
 
 from fuse_plugin import files, sockets
-from fuse_plugin.broker import kernel, protocol, records
+from fuse_plugin.broker import cgroups, kernel, protocol, records
+from fuse_plugin.errors import EXIT_USAGE, Failure
 
 
 def install_shim(directory: Path, shim: bytes) -> Path:
@@ -43,3 +45,17 @@ def ensure_fusectl() -> None:
     if not os.path.ismount(records.FUSECTL):
         kernel.mount("fusectl", str(records.FUSECTL), "fusectl", 0)
 
+
+def charge() -> cgroups.Charge:
+    """The hierarchies helpers are charged in, from the node's cgroup namespace; a
+    ``Failure`` at start if the broker cannot write them (fail closed: no helper would
+    ever run in the broker's cgroups)."""
+    try:
+        cgroups.enter_node_namespace()
+        return cgroups.node_charge()
+    except cgroups.Unwritable as err:
+        raise Failure(str(err), EXIT_USAGE) from None
+    except OSError as err:
+        raise Failure(f"cannot see the node's cgroups: {err.strerror or err} (the broker "
+                      "needs host PID and CAP_SYS_ADMIN to join the node's cgroup "
+                      "namespace)") from None

@@ -1,13 +1,15 @@
 """Every request the broker holds, from its connection to its answer: the handlers the
 loop's events lead to (``server.Broker._dispatch``).
 
-A connection is ``CONNECTED`` until its request has arrived whole (``receive``), within
-REQUEST_DEADLINE of its accept (``expire``); the table of those is kept in
-the order their deadlines fall, so its first entry has the soonest (``soonest``). Then
-the request is refused, handed to the LXCFS views (``lxcfs.Views``) or queued for its
-container's helper (``scheduler``); the helper's reports are heard in turn (``hear``),
-each answered go or no, and its exit ends what it had not finished (``exited``). How a
-request ends is ``replies``; what its states may be, ``conversation.State``.
+A connection accepted is named by the kernel and admitted among the open requests
+(``shares``), or answered at once (``connected``). It is ``CONNECTED`` until its request
+has arrived whole (``receive``), within REQUEST_DEADLINE of its accept (``expire``); the
+table of those is kept in the order their deadlines fall, so its first entry has the
+soonest (``soonest``). Then the request is refused, handed to the LXCFS views
+(``lxcfs.Views``) or queued for its container's helper (``scheduler``); the helper's
+reports are heard in turn (``hear``), each answered go or no, and its exit ends what it
+had not finished (``exited``). How a request ends is ``replies``; what its states may
+be, ``conversation.State``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from fuse_plugin.broker.replies import Replies
 from fuse_plugin.broker.reports import Built, Done, HelperFailed, Marked, MountFacts, UnmountFacts
 from fuse_plugin.broker.scheduler import Scheduler
 from fuse_plugin.broker.settings import BrokerSettings
-from fuse_plugin.broker.shares import Ticket
+from fuse_plugin.broker.shares import OpenRequests, Ticket
 
 REQUEST_DEADLINE = 5.0  # seconds from accept to a complete request
 
@@ -37,11 +39,13 @@ class Requests:
     thread only."""
 
     def __init__(self, selector: selectors.BaseSelector, settings: BrokerSettings, *,
-                 admission: Admission, store: Records, helpers: Scheduler,
-                 replies: Replies, pause: Callable[[OSError], None]) -> None:
+                 admission: Admission, open_requests: OpenRequests, store: Records,
+                 helpers: Scheduler, replies: Replies, pause: Callable[[OSError], None]
+                 ) -> None:
         self._selector = selector
         self.settings = settings
         self.admission = admission
+        self.open = open_requests
         self.records = store
         self.helpers = helpers
         self.replies = replies
@@ -55,10 +59,34 @@ class Requests:
         self._mark = mark
         self.views = views
 
-    def arrived(self, sock: socket.socket, who: callers.Caller, ticket: Ticket) -> None:
-        """A connection accepted and admitted (its place among the open requests,
-        ``ticket``). The shim sends as soon as it connects, so the request is usually
-        there already: read now rather than after another turn of the selector."""
+    def connected(self, sock: socket.socket) -> None:
+        """A connection accepted: the kernel names the caller, and it is admitted among
+        the open requests (``shares``) or answered at once."""
+        who: callers.Caller | None = None
+        ticket: Ticket | None = None
+        refused: policy.Refused | None = None
+        try:
+            who = callers.identify(sock)
+            ticket = self.open.admit(who.container)
+        except policy.OutOfResources as refusal:
+            self._pause(refusal.error)
+            refused = refusal
+        except policy.Refused as refusal:
+            refused = refusal
+        except OSError as err:
+            refused = policy.Refused(f"cannot identify the caller: "
+                                     f"{err.strerror or err}", "caller")
+        if refused is not None:
+            self.replies.refuse_at_accept(sock, who, refused)
+            return
+        assert who is not None
+        assert ticket is not None
+        self._arrived(sock, who, ticket)
+
+    def _arrived(self, sock: socket.socket, who: callers.Caller, ticket: Ticket) -> None:
+        """A connection admitted (its place among the open requests, ``ticket``). The
+        shim sends as soon as it connects, so the request is usually there already: read
+        now rather than after another turn of the selector."""
         conversation = Conversation(sock, who, time.monotonic() + REQUEST_DEADLINE, ticket=ticket)
         conversation.fields.update(pid=who.pid, uid=who.uid, cgroup=who.container)
         self._waiting[sock.fileno()] = conversation

@@ -44,9 +44,7 @@ import time
 from collections.abc import Callable
 
 from fuse_plugin import files, logs, sockets
-from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker import (
-    cgroups,
     events,
     lxcfs,
     mountinfo,
@@ -122,8 +120,9 @@ class Broker:
             answers=Answers(refuse=self.replies.refuse, fail=self.replies.fail,
                             pause=self._pause))
         self.requests = Requests(self._selector, settings, admission=self.admission,
-                                 store=self.records, helpers=self.helpers,
-                                 replies=self.replies, pause=self._pause)
+                                 open_requests=self.open, store=self.records,
+                                 helpers=self.helpers, replies=self.replies,
+                                 pause=self._pause)
         self.views: lxcfs.Views | None = None  # LXCFS views (lxcfs.py), from start
 
     # -- start and stop ------------------------------------------------------------------
@@ -139,7 +138,7 @@ class Broker:
                               "`scripts/build-native DIR` from the source tree (Debian: gcc "
                               "musl-tools), then --shim DIR/fusermount3", EXIT_USAGE)
         try:
-            self.helpers.charge = _charge()
+            self.helpers.charge = node.charge()
             node.ensure_fusectl()
             held = self.records.load()
         except OSError as err:
@@ -379,26 +378,7 @@ class Broker:
                 self._pause(err)
             return
         sock.setblocking(False)
-        who: callers.Caller | None = None
-        ticket: shares.Ticket | None = None
-        refused: policy.Refused | None = None
-        try:
-            who = callers.identify(sock)
-            ticket = self.open.admit(who.container)
-        except policy.OutOfResources as refusal:
-            self._pause(refusal.error)
-            refused = refusal
-        except policy.Refused as refusal:
-            refused = refusal
-        except OSError as err:
-            refused = policy.Refused(f"cannot identify the caller: "
-                                     f"{err.strerror or err}", "caller")
-        if refused is not None:
-            self.replies.refuse_at_accept(sock, who, refused)
-            return
-        assert who is not None
-        assert ticket is not None
-        self.requests.arrived(sock, who, ticket)
+        self.requests.connected(sock)
 
     def _pause(self, err: OSError) -> None:
         """Out of fds: stop accepting for a moment (the backlog holds the callers) and
@@ -424,17 +404,3 @@ class Broker:
             self._pruned = now
             self.admission.prune()
 
-
-def _charge() -> cgroups.Charge:
-    """The hierarchies helpers are charged in, from the node's cgroup namespace; a
-    ``Failure`` at start if the broker cannot write them (fail closed: no helper would
-    ever run in the broker's cgroups)."""
-    try:
-        cgroups.enter_node_namespace()
-        return cgroups.node_charge()
-    except cgroups.Unwritable as err:
-        raise Failure(str(err), EXIT_USAGE) from None
-    except OSError as err:
-        raise Failure(f"cannot see the node's cgroups: {err.strerror or err} (the broker "
-                      "needs host PID and CAP_SYS_ADMIN to join the node's cgroup "
-                      "namespace)") from None
