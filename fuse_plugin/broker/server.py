@@ -66,15 +66,6 @@ from fuse_plugin.broker.settings import DEFAULT_SHIM, BrokerSettings
 from fuse_plugin.broker.stats import BrokerStats
 from fuse_plugin.errors import EXIT_USAGE, Failure
 
-# Fair shares (``shares``): a container gets at most PER_CONTAINER open requests (a
-# tenant holding silent connections only uses its own), a pod (its containers together,
-# policy.pod_of) PER_POD of them, PER_POD_HELPERS helpers alive (killed ones that have not
-# exited included: each holds descriptors and memory until it exits; a container has at
-# most one, and a pod's further requests wait for its own) and --max-mounts-pod mounts.
-# The node's caps are these times --max-pods.
-PER_CONTAINER = shares.PER_CONTAINER
-PER_POD = shares.PER_POD
-PER_POD_HELPERS = shares.PER_POD_HELPERS
 ACCEPT_PAUSE = 1.0  # out of fds: the backlog waits this long before the next accept
 # SIGTERM: the drain. Requests already held go on for this long (a helper at work then
 # reaches its own deadline within it); see Broker._close.

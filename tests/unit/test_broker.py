@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fuse_plugin.broker import mountinfo, policy, protocol, replies, scheduler, server
+from fuse_plugin.broker import mountinfo, policy, protocol, replies, scheduler, server, shares
 from fuse_plugin.broker.node import install_shim
 from fuse_plugin.broker.policy import Existing, Mark, MountOptions, Owner, Refused, Target
 from fuse_plugin.broker.records import Record, Records
@@ -750,7 +750,7 @@ def test_a_caller_gets_its_share_of_connections_and_no_more(root: None, shim: Pa
     broker = broker_rig.BrokerProcess(tmp_path / "dir", tmp_path / "b", shim).start()
     held: list[socket.socket] = []
     try:
-        for _ in range(server.PER_CONTAINER):
+        for _ in range(shares.PER_CONTAINER):
             held.append(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))
             held[-1].connect(str(broker.socket))
         answers = []
@@ -759,7 +759,7 @@ def test_a_caller_gets_its_share_of_connections_and_no_more(root: None, shim: Pa
                 extra.connect(str(broker.socket))
                 answers.append(protocol.decode(extra.recv(protocol.MAX_MESSAGE)))
         assert {a["message"] for a in answers} == {
-            f"broker refused: this container has {server.PER_CONTAINER} requests open, "
+            f"broker refused: this container has {shares.PER_CONTAINER} requests open, "
             "the most it may; try again"}
         [line] = [e for e in broker.events("broker.refused") if e.get("kind") == "busy"]
         assert line["connections"] >= 1
