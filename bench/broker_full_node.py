@@ -88,8 +88,9 @@ FILL_DEADLINE = 120.0  # seconds for a load to reach its caps
 STEP_DEADLINE = 30.0  # seconds for parked helpers to reach a step
 MIB = 1024 * 1024
 # The broker, with a helper deadline long enough for every helper of the queued load to
-# be alive at once (sys.argv: "-c" and the command's own arguments).
-LAUNCH = ("import sys; from fuse_plugin.broker import scheduler; "
+# be alive at once (sys.argv: "-c" and the command's own arguments); server is imported
+# first, so its drain's STOP_GRACE keeps the default deadline.
+LAUNCH = ("import sys; from fuse_plugin.broker import scheduler, server; "
           "scheduler.HELPER_DEADLINE = 60.0; "
           "from fuse_plugin.cli import main; sys.exit(main())")
 
