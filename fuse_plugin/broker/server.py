@@ -76,6 +76,10 @@ SO_PASSRIGHTS = 83  # Linux 6.16+
 
 
 class Broker:
+    """The loop: start, the selector's turns, the drain on stop. What a turn's events
+    lead to is ``requests`` (and ``scheduler`` for released helpers); how a request
+    ends, ``replies``."""
+
     def __init__(self, settings: BrokerSettings, log: logging.Logger) -> None:
         self.settings = settings
         self.log = log
