@@ -71,7 +71,7 @@ from typing import Any
 
 from bench.broker import DAEMONSET, deployed_flags, fd_count, rss_kib
 from fuse_plugin.broker import caller as callers
-from fuse_plugin.broker import cgroups, frames, protocol, records, reports, shares
+from fuse_plugin.broker import cgroups, frames, messages, protocol, records, reports, shares
 from fuse_plugin.broker.conversation import Conversation, State
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
 from fuse_plugin.broker.helper import Job
@@ -394,13 +394,13 @@ def drive_helpers(directory: Path, count: int, groups: int, callers_group: str =
         for work in works:
             assert work.job is not None
             if step == "mark":
-                work.job.send(go=1)
+                work.job.send(messages.GO)
             elif step == "facts":
                 verdict = work.fields.get("verdict")
-                assert isinstance(verdict, dict)
-                work.job.send(go=1, **verdict)
+                assert isinstance(verdict, messages.MountVerdict)
+                work.job.send(verdict)
             else:
-                work.job.send(go=0)  # the built mount is never attached
+                work.job.send(messages.STOP)  # the built mount is never attached
     for work in works:
         assert work.job is not None
         work.job.proc.wait(STEP_DEADLINE)

@@ -9,7 +9,8 @@ file), ``conversation`` (one request: its states, its rules, the verdict on what
 the helper reached, the record of a new mount) and ``reports`` (the helper's words, each in
 its turn). ``command`` runs it, ``settings`` holds its flags, ``node`` sets up the node
 (the shim, fusectl). ``protocol`` is what the broker and the fusermount3 shim
-(``native/fusermount3.c``) say, ``frames`` what the loop and its helper say, ``helper``
+(``native/fusermount3.c``) say, ``messages`` every message the loop and its helper say
+(carried in ``frames``), ``helper``
 the helper process (``native/helper.c``: the broker's hands in a caller's namespaces),
 ``caller`` who is asking (the kernel's view), ``policy`` every rule, ``records`` what the
 broker mounted, ``admission`` the mount caps over one count of the records and the requests

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from fuse_plugin.broker import caller as callers
-from fuse_plugin.broker import policy, protocol, records, reports
+from fuse_plugin.broker import messages, policy, protocol, records, reports
 from fuse_plugin.broker.admission import Admission, Slot
 from fuse_plugin.broker.helper import Job
 from fuse_plugin.broker.shares import Ticket
@@ -126,14 +126,14 @@ class Conversation:
         who.open()
         self.fields["namespace"] = who.namespace
 
-    def hear(self, message: dict[str, str]) -> reports.Report:
+    def hear(self, message: messages.Heard) -> reports.Report:
         """The helper's next report, if it is the one this step expects."""
         report = reports.read(message, self.request.op, self.heard)
         self.heard += 1
         return report
 
     def verdict(self, report: reports.MountFacts | reports.UnmountFacts,
-                store: records.Records, allow_other: bool) -> dict[str, str]:
+                store: records.Records, allow_other: bool) -> messages.Answer:
         """Judge what the helper reached (an unmount against ``store``, the records of the
         mounts the broker made); the mount's (or unmount's) parameters, and the request
         is ``JUDGED``, or ``policy.Refused``."""
@@ -142,7 +142,10 @@ class Conversation:
             policy.may_mount(report.target, self.options, who.node_root, allow_other,
                              user_namespaced=who.user_ns != -1)
             self.advance(State.JUDGED)
-            return self.options.verdict()
+            options = self.options
+            return messages.MountVerdict(
+                source=options.source, subtype=options.subtype, max_read=options.max_read,
+                flags=",".join(options.flags), attrs=",".join(options.attrs))
         found = report.found
         policy.may_unmount(found, store.owner(found.connection), container=who.container,
                            uid=who.uid, node_root=who.node_root,
@@ -150,7 +153,7 @@ class Conversation:
         self.fields["mount_id"] = found.mount_id
         self.unmounting = found.connection
         self.advance(State.JUDGED)
-        return {"lazy": "1" if "lazy" in self.request.flags else "0"}
+        return messages.UnmountVerdict(lazy="lazy" in self.request.flags)
 
     def record(self, built: reports.Built, store: records.Records) -> records.Record:
         """The record of the new connection, made while its mount is still detached, so

@@ -15,10 +15,10 @@ A frame, in the host's byte order (both ends run on one machine)::
     each field: u8 key length | key | NUL | u32 value length | value | NUL
 
 A value is text (UTF-8, no NUL) except ``groups``, an array of u32. A repeated field
-refuses the whole message on either side. ``native/helper.c`` checks each request and
-answer against its fixed set of fields (an unknown one, or a missing one it needs,
-refuses it); the broker refuses a report that lacks a field its step reads
-(``reports.field``).
+refuses the whole message on either side. Which fields make which message is
+``messages``' declaration: ``native/helper.c`` checks each request and answer against
+its copy of it (an unknown field, or a missing one it needs, refuses it), and the broker
+refuses a report with a field missing or unknown (``messages.decode``).
 """
 
 from __future__ import annotations

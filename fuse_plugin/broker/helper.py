@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fuse_plugin.broker import cgroups, frames, protocol
+from fuse_plugin.broker import cgroups, frames, messages, protocol
 from fuse_plugin.broker.caller import Caller
 
 NAME = "fuse-broker-helper"
@@ -50,12 +50,10 @@ class Job:
         with nothing left behind (no process, no descriptor). ``charge``: the caller's
         cgroup.procs files (``cgroups.Charge.open``), which the helper moves itself into
         first; the caller of this closes them."""
-        fields: dict[str, str | int | tuple[int, ...]] = {
-            "op": request.op, "path": request.path, "uid": caller.uid, "gid": caller.gid,
-            "groups": caller.groups}
-        if request.op == "mount":
-            fields["fuse_fd"] = request.fuse_fd
-        message = frames.encode(frames.REQUEST, fields)
+        message = messages.encode(messages.Request(
+            op=request.op, path=request.path, uid=caller.uid, gid=caller.gid,
+            groups=tuple(caller.groups),
+            fuse_fd=request.fuse_fd if request.op == "mount" else None))
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         proc: subprocess.Popen[bytes] | None = None
         try:
@@ -90,14 +88,15 @@ class Job:
             raise
         return job
 
-    def send(self, **fields: object) -> None:
+    def send(self, answer: messages.Answer) -> None:
         """An answer to the helper (go, the verdict)."""
-        message = frames.encode(frames.ANSWER, {k: str(v) for k, v in fields.items()})
+        message = messages.encode(answer)
         with contextlib.suppress(OSError):  # a helper that died is seen on its pidfd
             self.ctl.send(message)
 
-    def receive(self) -> dict[str, str] | None:
-        """The helper's next message; None when it has nothing to say now."""
+    def receive(self) -> messages.Heard | None:
+        """The helper's next report, or that it closed its end (``Exited``) or sent no
+        frame (``Nonsense``); None when it has nothing to say now."""
         try:
             data = self.ctl.recv(frames.MAX_FRAME + 1)
         except BlockingIOError:
@@ -105,11 +104,11 @@ class Job:
         except OSError:
             data = b""
         if not data:
-            return {"status": "exited"}
+            return messages.Exited()
         try:
             return frames.decode(data, frames.REPORT)
         except frames.FrameError as bad:
-            return {"status": "failed", "message": f"the helper said nonsense ({bad})"}
+            return messages.Nonsense(str(bad))
 
     def kill(self) -> None:
         """SIGKILL at the deadline; the loop keeps the job until its pidfd says it died."""

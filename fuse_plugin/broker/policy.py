@@ -131,10 +131,6 @@ class MountOptions:
     def allow_other(self) -> bool:
         return "allow_other" in self.flags
 
-    def verdict(self) -> dict[str, str]:
-        return {"source": self.source, "subtype": self.subtype, "max_read": self.max_read,
-                "flags": ",".join(self.flags), "attrs": ",".join(self.attrs)}
-
 
 @dataclass(frozen=True)
 class Mark:

@@ -1,34 +1,30 @@
-"""What the helper (``native/helper.c``) reports, decoded once, into types.
+"""What the helper's (``native/helper.c``) reports mean to the loop, each in its turn.
 
-The helper speaks in ``frames`` of text fields; this module is the only place that reads
-those fields. Each report is one step of a request, and the steps come in one order:
+``messages`` declares every report's fields and decodes them; this module takes them in
+the one order a request's steps come (``messages.STEPS``):
 
     mount:    mark -> facts -> built -> ok
     unmount:  mark -> facts -> ok
 
-A report of another step, or one whose numbers do not parse, fails the request
-(``HelperFailed``): the loop never acts on a message that arrived out of turn, so a
-helper that said ``ok`` before ``facts`` (whatever made it) mounts nothing unjudged.
-A refusal or a failure the helper reports is raised as ``policy.Refused`` or
-``HelperFailed`` at any step. A report without a field its step reads fails the request
-too (``field``): ``native/helper.c`` sends every one of them at every ``say`` site, so a
-missing field is a helper that is not ours, never a value to guess.
+and says what each means in ``policy``'s terms. A report of another step fails the
+request (``HelperFailed``): the loop never acts on a message that arrived out of turn,
+so a helper that said ``ok`` before ``facts`` (whatever made it) mounts nothing
+unjudged. A refusal or a failure the helper reports is raised as ``policy.Refused`` or
+``HelperFailed`` at any step, and a helper that exited (``messages.Exited``) fails the
+request. A report with a field missing, unknown or that does not parse fails it too
+(``messages.decode``): a helper that is not ours, never a value to guess.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from fuse_plugin.broker import policy
+from fuse_plugin.broker import messages, policy
+from fuse_plugin.broker.messages import HelperFailed
 
-# A decimal the helper printed from an unsigned 64-bit number (mount ids, ids, modes).
-UNSIGNED = re.compile(r"[0-9]{1,20}")
-STEPS = {"mount": ("mark", "facts", "built", "ok"), "unmount": ("mark", "facts", "ok")}
-
-
-class HelperFailed(Exception):
-    """The helper, or the kernel through it, said no; one line for the caller."""
+__all__ = ["STEPS", "Built", "Done", "HelperFailed", "Marked", "MountFacts", "Report",
+           "UnmountFacts", "read"]
+STEPS = {op: tuple(kind.STATUS for kind in kinds) for op, kinds in messages.STEPS.items()}
 
 
 @dataclass(frozen=True)
@@ -71,76 +67,53 @@ class Done:
 Report = Marked | MountFacts | UnmountFacts | Built | Done
 
 
-def read(message: dict[str, str], op: str, step: int) -> Report:
+def read(message: messages.Heard, op: str, step: int) -> Report:
     """The helper's ``step``-th report (from 0) for ``op``: ``policy.Refused`` or
     ``HelperFailed`` if it refuses or fails, ``HelperFailed`` if it is not the report
-    this step expects or does not parse."""
-    raise_outcome(message)
-    status = field(message, "status")
-    steps = STEPS[op]
-    expected = steps[step] if step < len(steps) else "nothing more"
-    if status != expected:
-        raise HelperFailed(f"the helper said {status[:20]!r} where {expected!r} comes")
-    if status == "mark":
-        return Marked(policy.Mark(field(message, "mark_dev"), field(message, "mark_root")))
-    if status == "facts" and op == "mount":
-        return MountFacts(policy.Target(
-            mount_id=number(message, "mount"), fstype=field(message, "fstype"),
-            mount_point=field(message, "mount_point"), shared=field(message, "shared") == "1",
-            mode=int(_octal(message, "mode"), 8), owner=number(message, "owner"),
-            writable={"1": True, "0": False}.get(field(message, "writable")),
-            uid=number(message, "uid"), gid=number(message, "gid")))
-    if status == "facts":
-        return UnmountFacts(policy.Existing(
-            mount_id=number(message, "mount"), fstype=field(message, "fstype"),
-            connection=connection(message)))
-    if status == "built":
-        return Built(connection(message))
-    if op == "mount":
-        return Done(number(message, "mnt_id"), connection(message), field(message, "options"))
-    return Done(number(message, "mnt_id"))
-
-
-def raise_outcome(message: dict[str, str]) -> None:
-    """Raise the refusal or failure a helper's message reports, if it reports one."""
-    status = message.get("status")
-    if status == "refused":
-        kind = field(message, "kind")
-        raise policy.Refused(field(message, "message"),
-                             kind if kind in policy.kinds() else "path")
-    if status == "failed":
-        raise HelperFailed(field(message, "message"))
-    if status == "exited":
+    this step expects or does not parse, or if the helper exited or said no frame."""
+    if isinstance(message, messages.Exited):
         raise HelperFailed("the broker's helper exited without an answer")
+    if isinstance(message, messages.Nonsense):
+        raise HelperFailed(f"the helper said nonsense ({message.why})")
+    status = message.get("status", "")
+    outcome = next((kind for kind in messages.OUTCOMES if status == kind.STATUS), None)
+    if outcome is not None:
+        raise_outcome(messages.decode(message, outcome))
+    kinds = messages.STEPS[op]
+    kind = kinds[step] if step < len(kinds) else None
+    expected = kind.STATUS if kind is not None else "nothing more"
+    if kind is None or status != expected:
+        if "status" not in message:
+            raise HelperFailed("the helper's report has no status field")
+        raise HelperFailed(f"the helper said {status[:20]!r} where {expected!r} comes")
+    return _meaning(messages.decode(message, kind))
 
 
-def field(fields: dict[str, str], name: str) -> str:
-    """The field ``name`` of a report; ``HelperFailed`` naming it when it is missing."""
-    try:
-        return fields[name]
-    except KeyError:
-        status = fields.get("status", "")[:20]
-        raise HelperFailed(f"the helper's {status!r} report has no {name} field") from None
+def _meaning(report: messages.Report) -> Report:
+    """What a step's report means to the loop, in policy's terms."""
+    match report:
+        case messages.Mark(mark_dev, mark_root):
+            return Marked(policy.Mark(mark_dev, mark_root))
+        case messages.MountFacts():
+            return MountFacts(policy.Target(
+                mount_id=report.mount, fstype=report.fstype, mount_point=report.mount_point,
+                shared=report.shared, mode=report.mode, owner=report.owner,
+                writable=report.writable, uid=report.uid, gid=report.gid))
+        case messages.UnmountFacts(mount, fstype, dev):
+            return UnmountFacts(policy.Existing(mount_id=mount, fstype=fstype, connection=dev))
+        case messages.Built(dev):
+            return Built(dev)
+        case messages.Mounted(mnt_id, dev, options):
+            return Done(mnt_id, dev, options)
+        case messages.Unmounted(mnt_id):
+            return Done(mnt_id)
+    raise AssertionError(f"{type(report).__name__} is no step")  # outcomes are raised
 
 
-def number(fields: dict[str, str], name: str) -> int:
-    text = field(fields, name)
-    if not UNSIGNED.fullmatch(text):
-        raise HelperFailed(f"the helper sent a bad {name}: {text[:20]!r}")
-    return int(text)
-
-
-def _octal(fields: dict[str, str], name: str) -> str:
-    text = field(fields, name)
-    if not re.fullmatch(r"[0-7]{1,7}", text):
-        raise HelperFailed(f"the helper sent a bad {name}: {text[:20]!r}")
-    return text
-
-
-def connection(fields: dict[str, str]) -> int:
-    """The FUSE connection of a superblock device "0:N": its number in fusectl."""
-    dev = field(fields, "dev")
-    major, _, minor = dev.partition(":")
-    if not (UNSIGNED.fullmatch(major) and UNSIGNED.fullmatch(minor)):
-        raise HelperFailed(f"the helper sent a bad device {dev[:24]!r}")
-    return int(minor)
+def raise_outcome(outcome: messages.Report) -> None:
+    """Raise the refusal or failure a helper reports."""
+    if isinstance(outcome, messages.Refusal):
+        kind = outcome.kind if outcome.kind in policy.kinds() else "path"
+        raise policy.Refused(outcome.message, kind)
+    if isinstance(outcome, messages.Failure):
+        raise HelperFailed(outcome.message)

@@ -24,6 +24,7 @@ from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker import events, lxcfs, policy, protocol
 from fuse_plugin.broker.admission import Admission
 from fuse_plugin.broker.conversation import Conversation, State
+from fuse_plugin.broker.messages import GO, STOP, Exited
 from fuse_plugin.broker.records import Records
 from fuse_plugin.broker.replies import Replies
 from fuse_plugin.broker.reports import Built, Done, HelperFailed, Marked, MountFacts, UnmountFacts
@@ -121,7 +122,7 @@ class Requests:
             self._unwait(conversation)
         self.helpers.withdraw(conversation)
         if conversation.job is not None and conversation.job.ctl.fileno() != -1:
-            conversation.job.send(go=0)
+            conversation.job.send(STOP)
         if not conversation.ended:
             self.replies.refuse(conversation, refused)
         self.helpers.release(conversation)
@@ -175,18 +176,17 @@ class Requests:
             report = conversation.hear(message)
             if isinstance(report, Marked):
                 policy.allocated(report.mark, self._mark)
-                job.send(go=1)
+                job.send(GO)
             elif isinstance(report, MountFacts | UnmountFacts):
-                job.send(go=1, **conversation.verdict(report, self.records,
-                                              self.settings.allow_other))
+                job.send(conversation.verdict(report, self.records, self.settings.allow_other))
             elif isinstance(report, Built):
                 self._record(conversation, report)
-                job.send(go=1)
+                job.send(GO)
             else:
                 self._succeed(conversation, report)
             return
         except policy.Refused as refused:
-            job.send(go=0)
+            job.send(STOP)
             self.replies.refuse(conversation, refused)
         except HelperFailed as failed:
             self.replies.fail(conversation, failed)
@@ -220,7 +220,7 @@ class Requests:
         message = job.receive()  # a last word it sent before exiting
         if self.helpers.is_running(conversation):
             try:
-                report = conversation.hear(message or {"status": "exited"})
+                report = conversation.hear(Exited() if message is None else message)
                 if not isinstance(report, Done):
                     raise HelperFailed("the broker's helper exited without an answer")
                 self._succeed(conversation, report)

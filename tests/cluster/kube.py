@@ -4,12 +4,16 @@ change them), `kubectl apply -k`, and waits on the API's reports with deadlines.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import re
 import shutil
+import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -293,6 +297,11 @@ def device_check_pod(name: str, image: str, namespace: str) -> dict[str, Any]:
     return pod
 
 
+def _timestamp(text: str) -> float:
+    """An API timestamp (RFC 3339, UTC) in seconds since the epoch."""
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
 class PodEverySecond(Repeating):
     """A pod asking for `github.com/fuse: 1` created every second in ``namespace`` on a
     thread (through the API, no kubectl process each), each ending at once: by default
@@ -306,6 +315,8 @@ class PodEverySecond(Repeating):
         self.make = make or (lambda name: device_check_pod(name, image, namespace))
         self.names: list[str] = []
         self.errors: list[str] = []
+        self.created: dict[str, str] = {}
+        self.ended: dict[str, dict[str, Any]] = {}
 
     def step(self) -> None:
         name = f"roll-{len(self.names)}"
@@ -327,4 +338,121 @@ class PodEverySecond(Repeating):
         found: dict[str, dict[str, Any]] = wait_for(
             ended, 180, f"the {len(self.names)} rollout pods to end", interval=1,
             detail=lambda: "\n".join(pod_summary(p) for p in self.api.pods(self.namespace)))
+        self.created = {p["metadata"]["name"]: p["metadata"]["creationTimestamp"]
+                        for p in self.api.pods(self.namespace)}
+        self.ended = found
         return found
+
+    def longest_wait(self) -> str:
+        """After ``phases()``: the pod that waited longest from its creation to its
+        container's start, as a line (the API's timestamps are whole seconds)."""
+        waits: dict[str, float] = {}
+        for name, status in self.ended.items():
+            for c in status.get("containerStatuses") or []:
+                started = (c.get("state", {}).get("terminated") or {}).get("startedAt")
+                if started and name in self.created:
+                    waits[name] = (_timestamp(started) - _timestamp(self.created[name]))
+        if not waits:
+            return "longest wait of a new pod: none started"
+        name = max(waits, key=lambda n: waits[n])
+        median = statistics.median(waits.values())
+        return (f"longest wait of a new pod (created to its container started, whole "
+                f"seconds): {name} {waits[name]:.0f} s; median {median:.0f} s")
+
+
+# ---------------------------------------------------------------- rollouts with pods
+
+
+def node_names(api: Api) -> list[str]:
+    """The cluster's nodes, by name."""
+    return sorted(n["metadata"]["name"] for n in api.get("/api/v1/nodes")["items"])
+
+
+def pods_by_node(api: Api, namespace: str, selector: str = "",
+                 nodes: list[str] | None = None) -> dict[str, list[str]]:
+    """Names of the live pods (not being deleted) on each node (``nodes``: the API's)."""
+    out: dict[str, list[str]] = {n: [] for n in (nodes or node_names(api))}
+    for p in api.pods(namespace, selector):
+        node = p["spec"].get("nodeName")
+        if node in out and "deletionTimestamp" not in p["metadata"]:
+            out[node].append(p["metadata"]["name"])
+    return out
+
+
+def one_ready_per_node(api: Api, selector: str) -> dict[str, dict[str, Any]]:
+    """The DaemonSet's one Ready pod on each node."""
+    nodes = set(node_names(api))
+
+    def seen() -> dict[str, dict[str, Any]] | None:
+        pods = [p for p in api.pods(PLUGIN_NS, selector)
+                if "deletionTimestamp" not in p["metadata"]]
+        by = {p["spec"].get("nodeName"): p for p in pods if pod_ready(p)}
+        return by if len(pods) == len(nodes) and set(by) == nodes else None
+
+    found: dict[str, dict[str, Any]] = wait_for(
+        seen, 120, f"one Ready pod of {selector} on each node", interval=0.5,
+        detail=lambda: "\n".join(pod_summary(p) + f" node={p['spec'].get('nodeName')}"
+                                 for p in api.pods(PLUGIN_NS, selector)))
+    return found
+
+
+class PluginPodsSampler(Repeating):
+    """A DaemonSet's live pods on each node (the plugin's unless ``selector`` says),
+    sampled every 200 ms on a thread: how many existed at once, and on how many nodes two
+    did (a node surging)."""
+
+    def __init__(self, api: Api, selector: str = PLUGIN_SELECTOR) -> None:
+        super().__init__(0.2, "sampler")
+        self.api, self.selector = api, selector
+        self.nodes = node_names(api)
+        self.samples: list[dict[str, list[str]]] = []
+
+    def step(self) -> None:
+        with contextlib.suppress(OSError):  # a slow answer: the next sample
+            self.samples.append(pods_by_node(self.api, PLUGIN_NS, self.selector, self.nodes))
+
+    def surging_at_once(self) -> int:
+        """The most nodes that had two plugin pods in one sample."""
+        return max((sum(len(v) > 1 for v in s.values()) for s in self.samples), default=0)
+
+    def replaced(self) -> list[str]:
+        """The nodes in the order their pods first differed from the first sample's."""
+        first = self.samples[0] if self.samples else {}
+        seen: list[str] = []
+        for s in self.samples:
+            seen += [n for n, v in s.items() if v != first.get(n) and n not in seen]
+        return seen
+
+    def most_without(self) -> int:
+        """The most nodes that had no pod in one sample."""
+        return max((sum(not v for v in s.values()) for s in self.samples), default=0)
+
+    def order(self) -> list[str]:
+        """The nodes in the order their surge began."""
+        seen: list[str] = []
+        for s in self.samples:
+            seen += [n for n, v in s.items() if len(v) > 1 and n not in seen]
+        return seen
+
+
+class Restarted(NamedTuple):
+    status: str  # `kubectl rollout status`'s last line
+    new: dict[str, dict[str, Any]]  # the DaemonSet's Ready pod on each node, after
+    took: float  # seconds from `rollout restart` to a new Ready pod on each node
+    sampler: PluginPodsSampler  # the DaemonSet's pods per node through it
+
+
+def restart_with_pods(kubectl: Kubectl, api: Api, stream: PodEverySecond, ds: str,
+                      selector: str) -> Restarted:
+    """`kubectl rollout restart` of the DaemonSet ``ds`` (pods ``selector``) while
+    ``stream`` creates a pod every second: three before it, through it, three after."""
+    with stream, PluginPodsSampler(api, selector) as sampler:
+        wait_for(lambda: len(stream.names) >= 3, 30, "three pods before the rollout")
+        began = time.monotonic()
+        kubectl("-n", PLUGIN_NS, "rollout", "restart", f"daemonset/{ds}")
+        status = rollout(kubectl, ds)
+        new = one_ready_per_node(api, selector)
+        took = time.monotonic() - began
+        after = len(stream.names) + 3
+        wait_for(lambda: len(stream.names) >= after, 30, "three pods after the rollout")
+    return Restarted(status, new, took, sampler)

@@ -546,7 +546,7 @@ def test_rollout_restart_completes_and_rejects_no_fuse_pod(
                          f"rollout restart -> old pod {old['name']} gone: {took:.1f}s",
                          *handoff, f"{len(ended)} FUSE pods created one a second: "
                          f"{len(ended) - len(rejected)} Succeeded, rejected: {rejected}",
-                         *stream.errors)
+                         *stream.errors, stream.longest_wait())
         assert "successfully rolled out" in status, proof
         assert stamp, proof
         assert not stream.errors, proof

@@ -1,12 +1,15 @@
 """The Helm chart on a two-node cluster, as docs/operability.md ("Install, upgrade and
-uninstall with Helm") tells a user: `helm install` in the default mode and a FUSE pod
-(manifests/examples/sshfs-pod.yaml) reading its sshfs mount every 200 ms; `helm upgrade
+uninstall with Helm") tells a user: `helm install` of the previous version's chart
+(tests/cluster/charts/, as `helm package` made it) in the default mode and a FUSE pod
+(manifests/examples/sshfs-pod.yaml) reading its sshfs mount every 200 ms; `helm upgrade`
+to this version with a FUSE pod created every second (none may be rejected); `helm upgrade
 --reset-then-reuse-values --set mode=broker` with the pod still reading and a FUSE pod
 created every second throughout (none may be rejected; each DaemonSet rolls node by
-node), and a capability-less pod mounting through the broker; `helm rollback` to the
-default mode, the pod still reading; `helm uninstall`, after which nothing of ours is
-left in the API: no object the release rendered, none labelled part-of
-fuse-device-plugin, no release record, and the node serves no `github.com/fuse`. A
+node), and a capability-less pod mounting through the broker; `helm rollback` to
+revision 1 (the previous version, default mode), the pod still reading; `helm
+uninstall`, after which nothing of ours is left in the API: no object the release
+rendered, none labelled part-of fuse-device-plugin, no release record, and the node
+serves no `github.com/fuse`. A
 cluster of its own: nothing is deployed with kustomize here.
 
 helm is scripts/build-helm's (v4.3.1 from the Go module proxy, cached)."""
@@ -22,6 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fuse_plugin import __version__
 from tests.cluster.cluster import Api, Cluster, Kubectl
 from tests.cluster.kube import (
     APPLY,
@@ -51,12 +55,17 @@ from tests.kubelet.node import wait_for
 # Two nodes, as an upgrade meets them: each DaemonSet rolls node by node.
 CLUSTER_NODES = 2
 CHART = REPO / "charts" / "fuse-device-plugin"
+# The previous release's chart as `helm package` made it (0.1.0, from the commit that
+# released it): what a user upgrades from.
+PREVIOUS = REPO / "tests" / "cluster" / "charts" / "fuse-device-plugin-0.1.0.tgz"
 BUILD_HELM = REPO / "scripts" / "build-helm"
 RELEASE = "fuse-device-plugin"
 # Where Helm keeps its record of the release (the objects go to namespace.name).
 RELEASE_NS = "default"
 BROKER_ENV = "FUSE_DEVICE_PLUGIN_BROKER_DIR"
-# Where a FUSE pod is created every second through the upgrade to broker mode.
+# Where a FUSE pod is created every second through the upgrade from the previous
+# version, and through the upgrade to broker mode.
+VERSION_NS = "fdp-e2e-helm-version"
 STREAM_NS = "fdp-e2e-helm-stream"
 # The reader counts in /dev/shm, a tmpfs writable whatever the root filesystem (the
 # example's is readOnlyRootFilesystem).
@@ -153,14 +162,16 @@ def exists(kubectl: Kubectl, kind: str, namespace: str, name: str) -> bool:
 
 
 def upgrade_with_a_pod_every_second(helm: Helm, kubectl: Kubectl, api: Api, image: str,
-                                    *values: str) -> tuple[PodEverySecond, dict[str, str]]:
-    """`helm upgrade --reset-then-reuse-values` with ``values``, every DaemonSet of the new
-    revision rolled out and the slots back, with a FUSE pod created every second from
-    before the upgrade to after it; returns the stream and the pods that did not
-    `Succeed` (name -> the kubelet's message)."""
+                                    namespace: str, *values: str
+                                    ) -> tuple[PodEverySecond, dict[str, str]]:
+    """`helm upgrade --reset-then-reuse-values` to this chart with ``values``, every
+    DaemonSet of the new revision rolled out and the slots back, with a FUSE pod created
+    every second in ``namespace`` from before the upgrade to after it; returns the stream
+    and the pods that did not `Succeed` (name -> the kubelet's message) or that the API
+    did not create (the error -> "not created")."""
     kubectl(*APPLY, "-f", "-", stdin=json.dumps(
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": STREAM_NS}}))
-    with PodEverySecond(api, image, STREAM_NS) as stream:
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}))
+    with PodEverySecond(api, image, namespace) as stream:
         wait_for(lambda: len(stream.names) >= 3, 30, "three pods before the upgrade")
         helm("upgrade", RELEASE, str(CHART), "--reset-then-reuse-values", *values)
         for ds in daemonsets(api):
@@ -170,7 +181,7 @@ def upgrade_with_a_pod_every_second(helm: Helm, kubectl: Kubectl, api: Api, imag
         wait_for(lambda: len(stream.names) >= after, 30, "three pods after the upgrade")
     rejected = {n: str(st.get("message", "")) for n, st in stream.phases().items()
                 if st.get("phase") != "Succeeded"}
-    return stream, rejected
+    return stream, rejected | {e: "not created" for e in stream.errors}
 
 
 @pytest.fixture
@@ -178,7 +189,7 @@ def reading_pod(*, helm: Helm, kubectl: Kubectl, api: Api, servers: Servers,
                 images: dict[str, str], tmp_path: Path) -> Iterator[None]:
     """The release installed in the default mode, and the sshfs example reading its mount
     every 200 ms; the pod and the release are gone afterwards, whatever happened."""
-    helm("install", RELEASE, str(CHART), *image_values(images))
+    helm("install", RELEASE, str(PREVIOUS), *image_values(images))
     try:
         rollout(kubectl, PLUGIN_DS)
         rollout(kubectl, INSTALLER_DS)
@@ -196,7 +207,8 @@ def reading_pod(*, helm: Helm, kubectl: Kubectl, api: Api, servers: Servers,
         finally:
             delete_sshfs_example(kubectl, api)
     finally:
-        kubectl("delete", "namespace", STREAM_NS, "--ignore-not-found", "--wait=false")
+        for ns in (VERSION_NS, STREAM_NS):
+            kubectl("delete", "namespace", ns, "--ignore-not-found", "--wait=false")
         if helm("list", "-q", "--filter", f"^{RELEASE}$").strip():
             helm("uninstall", RELEASE, "--wait", "--timeout=3m")
 
@@ -208,21 +220,27 @@ def test_install_upgrade_rollback_uninstall_with_a_pod_reading_throughout(
     installed = daemonsets(api)
     at_install = reads(kubectl)
 
+    # -- from the previous version (installed by `reading_pod`) to this one, same values.
+    to_this, version_rejected = upgrade_with_a_pod_every_second(
+        helm, kubectl, api, images["WORKLOAD_IMAGE"], VERSION_NS)
+    at_version = more_reads(kubectl, at_install)
+
     # -- to broker mode: the broker's DaemonSet comes, the plugin rolls with its env; a
     # FUSE pod created every second throughout.
     stream, rejected = upgrade_with_a_pod_every_second(
-        helm, kubectl, api, images["WORKLOAD_IMAGE"], "--set=mode=broker")
+        helm, kubectl, api, images["WORKLOAD_IMAGE"], STREAM_NS, "--set=mode=broker")
     per_node = Counter(p["spec"].get("nodeName") for p in api.pods(STREAM_NS))
     upgraded = daemonsets(api)
     broker_env = [e for e in plugin_env(api) if e["name"] == BROKER_ENV]
-    after_upgrade = more_reads(kubectl, at_install)
+    after_upgrade = more_reads(kubectl, at_version)
     BASELINE.apply(kubectl, tmp_path / "baseline", servers, images)
     try:
         via_broker = wait_example_mounted(kubectl, api, BASELINE)
     finally:
         BASELINE.delete(kubectl, api)
 
-    # -- rollback to revision 1: the default mode again, the broker's DaemonSet deleted.
+    # -- rollback to revision 1: the previous version's chart in the default mode again,
+    # the broker's DaemonSet deleted.
     helm("rollback", RELEASE, "1")
     wait_for(lambda: BROKER_DS not in daemonsets(api) or None, 120,
              "the broker's DaemonSet to be deleted")
@@ -252,16 +270,22 @@ def test_install_upgrade_rollback_uninstall_with_a_pod_reading_throughout(
 
     proof = evidence(
         "helm",
-        f"installed (default mode): DaemonSets {installed}; reader {at_install} (ok, FAIL)",
+        f"installed {PREVIOUS.name} (default mode): DaemonSets {installed}; "
+        f"reader {at_install} (ok, FAIL)",
+        f"upgraded to this version: {len(to_this.names)} FUSE pods created one a second: "
+        f"{len(to_this.names) - len(version_rejected)} Succeeded, rejected: "
+        f"{version_rejected}; reader {at_version}", *to_this.errors,
+        to_this.longest_wait(),
         f"upgraded to broker mode: DaemonSets {upgraded}, plugin env {broker_env}; "
         f"reader {after_upgrade}; a baseline pod mounted through the broker: {via_broker}",
         f"{len(stream.names)} FUSE pods created one a second through the upgrade, per node "
         f"{per_node}: "
         f"{len(stream.names) - len(rejected)} Succeeded, rejected: {rejected}", *stream.errors,
+        stream.longest_wait(),
         f"rolled back: DaemonSets {rolled_back}, plugin broker env {env_back}; "
         f"reader {after_rollback}; the file still reads {still!r}",
-        "history: " + ", ".join(f"{h['revision']} {h['status']} {h['description']}"
-                                for h in history),
+        "history: " + ", ".join(f"{h['revision']} {h['chart']} {h['status']} "
+                                f"{h['description']}" for h in history),
         f"release objects: {len(objects)}; uninstall: {uninstalled.strip()}",
         f"left in the API: labelled part-of {left}, release records {records}; "
         f"node github.com/fuse (capacity, allocatable) {served}")
@@ -273,7 +297,9 @@ def test_install_upgrade_rollback_uninstall_with_a_pod_reading_throughout(
     assert "fuse.sshfs" in via_broker, proof
     assert rolled_back == installed, proof
     assert env_back == [], proof
-    assert [h["revision"] for h in history] == [1, 2, 3], proof
+    assert not version_rejected, proof
+    assert [h["chart"] for h in history] == [PREVIOUS.name.removesuffix(".tgz"), *2 * [
+        f"fuse-device-plugin-{__version__}"], PREVIOUS.name.removesuffix(".tgz")], proof
     assert after_rollback[0] > after_upgrade[0] > at_install[0] > 0, proof
     assert after_rollback[1] == 0, proof  # no read failed, through every step
     assert still == "helm", proof

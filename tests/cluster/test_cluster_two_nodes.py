@@ -7,13 +7,12 @@ node where they mount, and under DRA each node's driver publishes its own slice.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 
@@ -39,9 +38,12 @@ from tests.cluster.kube import (
     exec_in,
     fuse_pod,
     manifests_overlay,
+    one_ready_per_node,
     plugin_env,
     pod_summary,
+    pods_by_node,
     quantity,
+    restart_with_pods,
     rollout,
     wait_gone,
     wait_mounted,
@@ -53,10 +55,17 @@ from tests.cluster.test_cluster_broker import (
     BROKER_SELECTOR,
     edit_add_component,
 )
-from tests.cluster.test_cluster_dra import DRIVER, DRIVER_DS, DRIVER_SELECTOR, driver_overlay
+from tests.cluster.test_cluster_dra import (
+    DRIVER,
+    DRIVER_DS,
+    DRIVER_SELECTOR,
+    driver_overlay,
+    prepare_waits,
+    rollout_outcome,
+)
+from tests.cluster.test_cluster_dra_switch import to_dra
 from tests.cluster.worker import Worker
 from tests.kubelet.node import DEVICE_PLUGIN_DIR, wait_for
-from tests.lib.background import Repeating
 
 CLUSTER_NODES = 2
 NODE2 = f"{NODE_NAME}2"
@@ -82,29 +91,7 @@ def wait_slots(api: Api, slots: int) -> str:
     return line
 
 
-def pods_by_node(api: Api, namespace: str, selector: str = "") -> dict[str, list[str]]:
-    """Names of the live pods (not being deleted) on each node."""
-    out: dict[str, list[str]] = {n: [] for n in NODES}
-    for p in api.pods(namespace, selector):
-        node = p["spec"].get("nodeName")
-        if node in out and "deletionTimestamp" not in p["metadata"]:
-            out[node].append(p["metadata"]["name"])
-    return out
 
-
-def one_ready_per_node(api: Api, selector: str) -> dict[str, dict[str, Any]]:
-    """The DaemonSet's one Ready pod on each node."""
-    def seen() -> dict[str, dict[str, Any]] | None:
-        pods = [p for p in api.pods(PLUGIN_NS, selector)
-                if "deletionTimestamp" not in p["metadata"]]
-        by = {p["spec"].get("nodeName"): p for p in pods if pod_ready(p)}
-        return by if len(pods) == len(NODES) and set(by) == set(NODES) else None
-
-    found: dict[str, dict[str, Any]] = wait_for(
-        seen, 120, f"one Ready pod of {selector} on each node", interval=0.5,
-        detail=lambda: "\n".join(pod_summary(p) + f" node={p['spec'].get('nodeName')}"
-                                 for p in api.pods(PLUGIN_NS, selector)))
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -208,68 +195,7 @@ def test_scheduler_fills_one_node_then_places_on_the_other(
         wait_slots(api, DEFAULT_SLOTS)
 
 
-class PluginPodsSampler(Repeating):
-    """A DaemonSet's live pods on each node (the plugin's unless ``selector`` says),
-    sampled every 200 ms on a thread: how many existed at once, and on how many nodes two
-    did (a node surging)."""
-
-    def __init__(self, api: Api, selector: str = PLUGIN_SELECTOR) -> None:
-        super().__init__(0.2, "sampler")
-        self.api, self.selector = api, selector
-        self.samples: list[dict[str, list[str]]] = []
-
-    def step(self) -> None:
-        with contextlib.suppress(OSError):  # a slow answer: the next sample
-            self.samples.append(pods_by_node(self.api, PLUGIN_NS, self.selector))
-
-    def surging_at_once(self) -> int:
-        """The most nodes that had two plugin pods in one sample."""
-        return max((sum(len(v) > 1 for v in s.values()) for s in self.samples), default=0)
-
-    def replaced(self) -> list[str]:
-        """The nodes in the order their pods first differed from the first sample's."""
-        first = self.samples[0] if self.samples else {}
-        seen: list[str] = []
-        for s in self.samples:
-            seen += [n for n, v in s.items() if v != first.get(n) and n not in seen]
-        return seen
-
-    def most_without(self) -> int:
-        """The most nodes that had no pod in one sample."""
-        return max((sum(not v for v in s.values()) for s in self.samples), default=0)
-
-    def order(self) -> list[str]:
-        """The nodes in the order their surge began."""
-        seen: list[str] = []
-        for s in self.samples:
-            seen += [n for n, v in s.items() if len(v) > 1 and n not in seen]
-        return seen
-
-
 ROLL_NS = "fdp-e2e-two-rollout"
-
-
-class Restarted(NamedTuple):
-    status: str  # `kubectl rollout status`'s last line
-    new: dict[str, dict[str, Any]]  # the DaemonSet's Ready pod on each node, after
-    took: float  # seconds from `rollout restart` to a new Ready pod on each node
-    sampler: PluginPodsSampler  # the DaemonSet's pods per node through it
-
-
-def restart_with_pods(kubectl: Kubectl, api: Api, stream: PodEverySecond, ds: str,
-                      selector: str) -> Restarted:
-    """`kubectl rollout restart` of the DaemonSet ``ds`` (pods ``selector``) while
-    ``stream`` creates a pod every second: three before it, through it, three after."""
-    with stream, PluginPodsSampler(api, selector) as sampler:
-        wait_for(lambda: len(stream.names) >= 3, 30, "three pods before the rollout")
-        began = time.monotonic()
-        kubectl("-n", PLUGIN_NS, "rollout", "restart", f"daemonset/{ds}")
-        status = rollout(kubectl, ds)
-        new = one_ready_per_node(api, selector)
-        took = time.monotonic() - began
-        after = len(stream.names) + 3
-        wait_for(lambda: len(stream.names) >= after, 30, "three pods after the rollout")
-    return Restarted(status, new, took, sampler)
 
 
 def test_rollout_goes_node_by_node_and_rejects_no_fuse_pod(
@@ -296,7 +222,8 @@ def test_rollout_goes_node_by_node_and_rejects_no_fuse_pod(
             f"surge order {sampler.order()}, most nodes surging at once: "
             f"{sampler.surging_at_once()} ({len(sampler.samples)} samples)",
             f"{len(ended)} FUSE pods created one a second, per node {per_node}: "
-            f"{len(ended) - len(rejected)} Succeeded, rejected: {rejected}", *stream.errors)
+            f"{len(ended) - len(rejected)} Succeeded, rejected: {rejected}", *stream.errors,
+            stream.longest_wait())
         assert "successfully rolled out" in status, proof
         assert all(new[n]["metadata"]["uid"] != old[n] for n in NODES), proof
         assert sorted(sampler.order()) == sorted(NODES), proof
@@ -504,7 +431,7 @@ def test_broker_rollout_goes_node_by_node_and_fails_no_mount(
             f"{len(ended)} mounting pods created one a second, per node {per_node}: "
             f"{len(ended) - len(failed)} mounted, wrote, read and unmounted; failed: "
             f"{failed}", f"{len(waited)} met a restarting broker and waited: "
-            f"{sorted(waited.values())[:3]}", *stream.errors)
+            f"{sorted(waited.values())[:3]}", *stream.errors, stream.longest_wait())
         assert "successfully rolled out" in status, proof
         assert all(new[n]["metadata"]["uid"] != old[n] for n in NODES), proof
         assert sorted(sampler.replaced()) == sorted(NODES), proof
@@ -520,12 +447,13 @@ def test_broker_rollout_goes_node_by_node_and_fails_no_mount(
 @pytest.fixture
 def dra_on_both(deployed: dict[str, dict[str, Any]], kubectl: Kubectl, api: Api,
                 overlay: Path, images: dict[str, str]) -> Iterator[dict[str, dict[str, Any]]]:
-    """The DRA driver deployed beside the plugin's manifests, the plugin's DaemonSet
-    deleted as docs/dra.md says; the plugin's manifests re-applied afterwards."""
+    """The DRA driver deployed beside the plugin's manifests, then docs/dra.md's switch
+    (nodes cordoned, the plugin's DaemonSet deleted, allocatable 0, uncordoned); the
+    plugin's manifests re-applied afterwards."""
     kubectl(*APPLY, "-k", str(driver_overlay(overlay, images["PLUGIN_IMAGE"])))
-    kubectl("-n", PLUGIN_NS, "delete", "daemonset", PLUGIN_DS, "--wait=true")
     try:
         rollout(kubectl, DRIVER_DS)
+        to_dra(kubectl)
         yield one_ready_per_node(api, DRIVER_SELECTOR)
     finally:
         # docs/dra.md's removal of the driver; the next test's `deployed` re-applies the
@@ -558,20 +486,14 @@ def test_each_nodes_dra_driver_publishes_its_own_slice(
 DRA_ROLL_NS = "fdp-e2e-two-dra-rollout"
 
 
-@pytest.mark.xfail(reason=(
-    "known, open (issue 35): in the one run so far 2 of 19 pods were rejected by the kubelet's "
-    "device manager ('Allocate failed due to no healthy devices present; cannot allocate "
-    "unhealthy devices github.com/fuse') while the driver rolled, with no "
-    "FailedPrepareDynamicResources: the plugin's DaemonSet, deleted minutes before, still "
-    "left the resource in the node's capacity, and those pods took the device-plugin path"),
-    strict=False)
 def test_driver_rollout_goes_node_by_node_and_fails_no_pod(
         dra_on_both: dict[str, dict[str, Any]], kubectl: Kubectl, api: Api,
         images: dict[str, str]) -> None:
     """Under DRA, `kubectl rollout restart` of the driver on two nodes with a pod asking
     `github.com/fuse: 1` (the DeviceClass's extended resource) created every second
     throughout: each node's driver replaced, and every pod, on either node, prepared and
-    `Succeeded`, none with a FailedPrepareDynamicResources event."""
+    `Succeeded`, none with a FailedPrepareDynamicResources event of the driver's (the
+    API server's node authorizer's lag is counted apart: see AUTHORIZER_LAG)."""
     kubectl(*APPLY, "-f", "-", stdin=json.dumps(
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": DRA_ROLL_NS}}))
     old = {n: p["metadata"]["uid"] for n, p in dra_on_both.items()}
@@ -581,11 +503,8 @@ def test_driver_rollout_goes_node_by_node_and_fails_no_pod(
         status, new, took, sampler = restart_with_pods(kubectl, api, stream, DRIVER_DS,
                                                        DRIVER_SELECTOR)
         ended = stream.phases()
-        failed = {n: st.get("message", "") for n, st in ended.items()
-                  if st.get("phase") != "Succeeded"}
-        waited = [f"{n}: {e.get('message', '')}" for n in ended
-                  for e in api.events(DRA_ROLL_NS, n)
-                  if e.get("reason") == "FailedPrepareDynamicResources"]
+        failed, not_dra = rollout_outcome(ended)
+        waited, lag = prepare_waits(api, DRA_ROLL_NS, stream.names)
         per_node = {n: sum(st.get("nodeName") == n for st in ended.values()) for n in NODES}
         proof = evidence(
             "two-nodes-dra-rollout", status, f"rollout restart took {took:.1f}s",
@@ -593,14 +512,17 @@ def test_driver_rollout_goes_node_by_node_and_fails_no_pod(
             f"{sampler.surging_at_once()} node at once ({len(sampler.samples)} samples)",
             f"{len(ended)} FUSE pods created one a second, per node {per_node}: "
             f"{len(ended) - len(failed)} Succeeded, failed: {failed}",
+            f"not served through a DRA claim: {not_dra}",
             f"FailedPrepareDynamicResources events: {len(waited)}", *waited[:3],
-            *stream.errors)
+            f"the node authorizer's lag (retried by the kubelet): {len(lag)}", *lag[:3],
+            *stream.errors, stream.longest_wait())
         assert "successfully rolled out" in status, proof
         assert all(new[n]["metadata"]["uid"] != old[n] for n in NODES), proof
         assert sorted(sampler.replaced()) == sorted(NODES), proof
         assert all(per_node.values()), proof
         assert not stream.errors, proof
         assert not failed, proof
+        assert not not_dra, proof
         assert not waited, proof
     finally:
         kubectl("delete", "namespace", DRA_ROLL_NS, "--ignore-not-found", "--wait=true",

@@ -38,7 +38,7 @@ def shim(cache: Path = CACHE) -> Path:
     """The shim built by scripts/build-native (fuse-broker-helper beside it), rebuilt only
     when a source changes."""
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in
-                                     (*sorted(NATIVE.glob("*.c")), BUILD_SCRIPT)))
+                                     (*sorted(NATIVE.glob("*.[ch]")), BUILD_SCRIPT)))
     out = cache / digest.hexdigest()[:16]
     if not (out / protocol.SHIM_NAME).exists():
         result = subprocess.run([str(BUILD_SCRIPT), str(out)], capture_output=True,

@@ -20,7 +20,7 @@ from typing import cast
 import pytest
 
 from fuse_plugin.broker import caller as callers
-from fuse_plugin.broker import protocol, server
+from fuse_plugin.broker import messages, protocol, server
 from fuse_plugin.broker.admission import Admission, Limits
 from fuse_plugin.broker.conversation import Conversation, State
 from fuse_plugin.broker.helper import Job
@@ -177,7 +177,7 @@ class StandInJob:
     def __init__(self, said: list[dict[str, str]], deadline: float) -> None:
         self.said = said
         self.deadline = deadline
-        self.sent: list[dict[str, object]] = []
+        self.sent: list[messages.Answer] = []
         self.killed_at: float | None = None
         self.aborted = False
         self.ctl = -1
@@ -186,8 +186,8 @@ class StandInJob:
     def receive(self) -> dict[str, str] | None:
         return self.said.pop(0) if self.said else None
 
-    def send(self, **fields: object) -> None:
-        self.sent.append(fields)
+    def send(self, answer: messages.Answer) -> None:
+        self.sent.append(answer)
 
     def kill(self) -> None:
         self.killed_at = time.monotonic()
@@ -343,7 +343,7 @@ def test_a_mount_done_turns_its_slot_into_its_record(loop: Broker, kernel: Kerne
     assert loop.records.owner(connection) is not None
     loop.requests.hear(work)
     assert answer(theirs) == "ok"
-    assert [s["go"] for s in job.sent] == [1, 1, 1]
+    assert [s.go for s in job.sent] == [True, True, True]
     assert (loop.admission.in_flight, loop.admission.container(A)) == (0, 1)
     assert len(loop.open) == 0
 

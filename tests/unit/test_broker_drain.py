@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from fuse_plugin.broker import caller as callers
-from fuse_plugin.broker import protocol, replies, scheduler, server
+from fuse_plugin.broker import messages, protocol, replies, scheduler, server
 from fuse_plugin.broker.conversation import Conversation, State
 from fuse_plugin.broker.helper import Job
 from fuse_plugin.broker.server import Broker
@@ -55,7 +55,7 @@ class GatedHelper:
         self.ctl.setblocking(False)
         self.pidfd, self._exit = os.pipe()
         self.deadline = time.monotonic() + 60
-        self.sent: list[dict[str, object]] = []
+        self.sent: list[messages.Answer] = []
         self.killed_at: float | None = None
         self.aborted = False
         self.closed = False
@@ -71,8 +71,8 @@ class GatedHelper:
             return None
         return self.said.pop(0)
 
-    def send(self, **fields: object) -> None:
-        self.sent.append(fields)
+    def send(self, answer: messages.Answer) -> None:
+        self.sent.append(answer)
 
     def kill(self) -> None:
         if self.killed_at is None:

@@ -8,18 +8,16 @@ from contextlib import AbstractContextManager, nullcontext
 
 import pytest
 
-from fuse_plugin.broker import policy, reports
+from fuse_plugin.broker import messages, policy, reports
 from fuse_plugin.broker.reports import HelperFailed
 
 MARK = {"status": "mark", "mark_dev": "254:1", "mark_root": "/b"}
 MOUNT_FACTS = {"status": "facts", "mount": "41", "fstype": "ext4", "mount_point": "/mnt",
-               "mount_root": "0", "shared": "0", "mode": "755", "owner": "1000",
+               "shared": "0", "mode": "755", "owner": "1000",
                "writable": "1", "uid": "1000", "gid": "1000"}
-UNMOUNT_FACTS = {"status": "facts", "mount": "77", "fstype": "fuse.sshfs", "dev": "0:63",
-                 "super": "rw"}
+UNMOUNT_FACTS = {"status": "facts", "mount": "77", "fstype": "fuse.sshfs", "dev": "0:63"}
 BUILT = {"status": "built", "dev": "0:63"}
-MOUNTED = {"status": "ok", "mnt_id": "77", "dev": "0:63", "point": "/mnt/x",
-           "options": "rw,nosuid,nodev", "super": "rw"}
+MOUNTED = {"status": "ok", "mnt_id": "77", "dev": "0:63", "options": "rw,nosuid,nodev"}
 
 
 def test_a_mount_reads_as_its_four_steps_in_order() -> None:
@@ -68,8 +66,8 @@ def test_a_number_that_does_not_parse_fails(field: str, value: str) -> None:
 
 @pytest.mark.parametrize("dev", ["", "63", "0:x", "0:\u0661", "0:63:1"])
 def test_a_connection_comes_from_the_superblocks_device(dev: str) -> None:
-    assert reports.connection({"dev": "0:63"}) == 63
-    with pytest.raises(HelperFailed, match="bad device"):
+    assert reports.read(BUILT, "mount", 2) == reports.Built(63)
+    with pytest.raises(HelperFailed, match="bad dev: "):
         reports.read(BUILT | {"dev": dev}, "mount", 2)
 
 
@@ -115,4 +113,6 @@ def test_refusals_and_failures_are_raised_at_any_step() -> None:
     with pytest.raises(HelperFailed, match="kernel said no"):
         reports.read({"status": "failed", "message": "kernel said no"}, "unmount", 1)
     with pytest.raises(HelperFailed, match="exited without an answer"):
-        reports.read({"status": "exited"}, "mount", 3)
+        reports.read(messages.Exited(), "mount", 3)
+    with pytest.raises(HelperFailed, match=r"said nonsense \(bad magic\)"):
+        reports.read(messages.Nonsense("bad magic"), "mount", 0)

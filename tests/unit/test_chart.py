@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -184,6 +185,22 @@ def test_chart_version_is_the_project_version() -> None:
     assert (chart["version"], chart["appVersion"]) == (__version__, __version__), (
         f"Chart.yaml has version {chart['version']}, appVersion {chart['appVersion']}; "
         f"the project is {__version__}: run .venv/bin/python scripts/gen_chart.py")
+
+
+def test_previous_release_is_an_older_version_of_this_chart() -> None:
+    """tests/cluster/charts/ keeps the chart users upgrade from (the cluster stage's Helm
+    test installs it, then upgrades): it must be this chart's name at a lower version."""
+    [previous] = (ROOT / "tests" / "cluster" / "charts").glob("*.tgz")
+    with tarfile.open(previous) as tar:
+        member = tar.extractfile("fuse-device-plugin/Chart.yaml")
+        assert member is not None, f"{previous.name} has no fuse-device-plugin/Chart.yaml"
+        chart = yaml.safe_load(member.read())
+    def key(v: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in v.split("."))
+    assert chart["name"] == "fuse-device-plugin", chart
+    assert key(chart["version"]) < key(__version__), (
+        f"{previous.name} is version {chart['version']}, not older than {__version__}")
+    assert previous.name == f"fuse-device-plugin-{chart['version']}.tgz"
 
 
 def test_another_namespace_and_image_reach_every_field(helm: str) -> None:

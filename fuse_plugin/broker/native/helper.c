@@ -23,6 +23,7 @@
  *   helper: built         the new, still detached, mount's connection (its device)
  *   broker: ANSWER        go=1 once that connection is recorded (else go=0)
  *   helper: the result    the new mount's id, connection and line, or failed=
+ * Every message's fields are declared in fuse_plugin/broker/messages.py.
  *
  * What no message can switch off (a request cut short must not lose them): the
  * walk and every check run with the caller's uid, gid and groups, and never look inside
@@ -76,23 +77,25 @@
 #define REQUEST 1
 #define ANSWER 2
 #define REPORT 3
-#define MAX_TABLE (8 << 20)
 #define MAX_PATH 4096
 /* Mount types never looked inside (policy.NO_WALK; a unit test keeps them equal); an
  * entry ending in '.' is a prefix. Built in, not sent: no message can leave it out. */
 #define NO_WALK "fuse,fuse.,fuseblk,fuseblk.,autofs"
-/* Where Allocate binds the broker's directory in a container. */
-#define BROKER_DIR "/run/fuse-broker"
-#define REQUEST_FIELDS "op path uid gid groups fuse_fd"
-#define VERDICT_FIELDS "go source subtype max_read flags attrs"
+/* Each message from the broker: the fields it may have, then those it must have, as
+ * fuse_plugin/broker/messages.py declares them (its Request, and the answers ANSWERS
+ * allows to each report; tests/unit/test_broker_messages.py keeps them equal, and this
+ * program's say sites equal its reports). */
+#define REQUEST_FIELDS "op path uid gid groups fuse_fd", "op path uid gid groups"
+#define ANSWER_TO_MARK "go", "go"
+#define ANSWER_TO_MOUNT_FACTS "go source subtype max_read flags attrs", "go"
+#define ANSWER_TO_UNMOUNT_FACTS "go lazy", "go"
+#define ANSWER_TO_BUILT "go", "go"
 
 /* The new mount API and friends (uapi values; one number on every architecture). */
-#define SYS_move_mount_ 429
 #define SYS_fsopen_ 430
 #define SYS_fsconfig_ 431
 #define SYS_fsmount_ 432
 #define SYS_close_range_ 436
-#define SYS_openat2_ 437
 #define SYS_pidfd_getfd_ 438
 #define SYS_faccessat2_ 439
 #define FSOPEN_CLOEXEC 0x1
@@ -100,49 +103,16 @@
 #define FSCONFIG_SET_STRING 1
 #define FSCONFIG_CMD_CREATE 6
 #define FSMOUNT_CLOEXEC 0x1
-#define MOUNT_ATTR_RDONLY 0x1
-#define MOUNT_ATTR_NOSUID 0x2
-#define MOUNT_ATTR_NODEV 0x4
-#define MOUNT_ATTR_NOEXEC 0x8
 #define MOUNT_ATTR_NOATIME 0x10
-#define MOVE_MOUNT_F_EMPTY_PATH 0x4
 #define MOVE_MOUNT_T_EMPTY_PATH 0x40
-#define RESOLVE_NO_MAGICLINKS 0x2
-#define RESOLVE_NO_SYMLINKS 0x4
-#define RESOLVE_BENEATH 0x8
-#define AT_STATX_DONT_SYNC 0x4000
 #define STATX_TYPE 0x1
 #define STATX_MODE 0x2
 #define STATX_UID 0x8
-#define STATX_MNT_ID 0x1000
-#define STATX_ATTR_MOUNT_ROOT 0x2000
-#define UMOUNT_NOFOLLOW_ 0x8
 #define FUSE_MAJOR 10
 #define FUSE_MINOR 229
 #define CAP_DAC_OVERRIDE 1
 #define CAP_DAC_READ_SEARCH 2
 #define CAP_FOWNER 3
-
-struct open_how_ {
-	uint64_t flags, mode, resolve;
-};
-
-struct statx_ts {
-	int64_t tv_sec;
-	uint32_t tv_nsec, pad;
-};
-
-struct statx_ {
-	uint32_t stx_mask, stx_blksize;
-	uint64_t stx_attributes;
-	uint32_t stx_nlink, stx_uid, stx_gid;
-	uint16_t stx_mode, pad1;
-	uint64_t stx_ino, stx_size, stx_blocks, stx_attributes_mask;
-	struct statx_ts stx_atime, stx_btime, stx_ctime, stx_mtime;
-	uint32_t stx_rdev_major, stx_rdev_minor, stx_dev_major, stx_dev_minor;
-	uint64_t stx_mnt_id;
-	uint64_t spare[13];
-};
 
 struct cap_header {
 	uint32_t version;
@@ -160,19 +130,6 @@ struct fields {
 	const char *key[MAX_FIELDS];
 	const char *value[MAX_FIELDS];
 	size_t len[MAX_FIELDS];
-};
-
-/* One line of mountinfo, the parts the broker judges by. */
-struct mount {
-	unsigned long id;
-	char *dev, *root, *point, *options, *fstype, *super;
-	int shared; /* a peer group member: a mount on it would propagate to its peers */
-};
-
-struct table {
-	char *text;
-	int count;
-	struct mount *mounts;
 };
 
 static int ctl = -1;
@@ -251,6 +208,8 @@ static void failed(const char *what)
 {
 	finish("failed", "%s: %s", what, strerror(errno));
 }
+
+#include "mounts.h"
 
 /* Reads one frame of type kind into fields pointing into buf; NULL, or what is wrong. */
 static const char *parse(const char *buf, size_t n, int kind, struct fields *f)
@@ -373,133 +332,6 @@ static long number(const char *text, long max)
 	if (!*text || *end || errno || value < 0 || value > max)
 		finish("failed", "bad message from the broker: bad number '%s'", text);
 	return value;
-}
-
-static int statx_fd(int fd, unsigned mask, struct statx_ *st)
-{
-	/* DONT_SYNC: a FUSE inode answers from its cache instead of asking its daemon. */
-	return (int)syscall(SYS_statx, fd, "", AT_EMPTY_PATH | AT_STATX_DONT_SYNC, mask, st);
-}
-
-/* The mount an fd is on. An empty mask: the VFS fills the mount id itself, and FUSE
- * answers an empty mask without a permission check or a request to its daemon. */
-static unsigned long mount_id_of(int fd)
-{
-	struct statx_ st;
-
-	if (statx_fd(fd, 0, &st) == -1)
-		failed("statx");
-	if (!(st.stx_mask & STATX_MNT_ID))
-		finish("failed", "%s", "the kernel does not report mount ids (statx, Linux 5.8+)");
-	return (unsigned long)st.stx_mnt_id;
-}
-
-/* mountinfo escapes space, tab, newline and backslash as \ooo; undone in place. */
-static char *unescape(char *text)
-{
-	char *in = text, *out = text;
-
-	while (*in) {
-		if (in[0] == '\\' && in[1] >= '0' && in[1] <= '3' && in[2] >= '0' && in[2] <= '7'
-		    && in[3] >= '0' && in[3] <= '7') {
-			*out++ = (char)((in[1] - '0') << 6 | (in[2] - '0') << 3 | (in[3] - '0'));
-			in += 4;
-		} else {
-			*out++ = *in++;
-		}
-	}
-	*out = '\0';
-	return text;
-}
-
-/* A mount table, read through the broker's own /proc: "self/mountinfo" is the namespace
- * this process is in now, relative to its root (setns made that the namespace's root). */
-static void read_table_of(int proc, const char *name, struct table *t)
-{
-	size_t size = 0, cap = 1 << 16;
-	int fd = openat(proc, name, O_RDONLY | O_CLOEXEC);
-	char *line;
-
-	if (fd == -1)
-		failed("open mountinfo");
-	t->text = malloc(cap + 1);
-	for (;;) {
-		ssize_t n;
-		if (size == cap) {
-			if (cap >= MAX_TABLE)
-				finish("refused", "%s", "the caller's mount table is larger than 8 MiB");
-			cap *= 2;
-			t->text = realloc(t->text, cap + 1);
-		}
-		if (!t->text)
-			finish("failed", "%s", "out of memory");
-		n = read(fd, t->text + size, cap - size);
-		if (n < 0)
-			failed("read mountinfo");
-		if (n == 0)
-			break;
-		size += (size_t)n;
-	}
-	close(fd);
-	t->text[size] = '\0';
-	t->count = 0;
-	t->mounts = calloc(size / 16 + 1, sizeof(*t->mounts));
-	if (!t->mounts)
-		finish("failed", "%s", "out of memory");
-	for (line = strtok(t->text, "\n"); line; line = strtok(NULL, "\n")) {
-		char *field[10], *save = NULL, *dash = strstr(line, " - ");
-		struct mount *m = &t->mounts[t->count];
-		int n = 0;
-
-		m->shared = 0;
-		if (!dash)
-			continue;
-		*dash = '\0';
-		for (char *w = strtok_r(line, " ", &save); w; w = strtok_r(NULL, " ", &save)) {
-			if (n < 6)
-				field[n++] = w;
-			else if (strncmp(w, "shared:", 7) == 0)
-				m->shared = 1; /* optional fields until the dash: shared:N, master:N */
-		}
-		if (n < 6)
-			continue;
-		m->id = strtoul(field[0], NULL, 10);
-		m->dev = field[2];
-		m->root = unescape(field[3]);
-		m->point = unescape(field[4]);
-		m->options = field[5];
-		save = NULL;
-		m->fstype = strtok_r(dash + 3, " ", &save);
-		(void)strtok_r(NULL, " ", &save); /* the source: the tenant's words */
-		m->super = strtok_r(NULL, " ", &save);
-		if (!m->fstype || !m->super)
-			continue;
-		t->count++;
-	}
-}
-
-static void read_table(int proc, struct table *t)
-{
-	read_table_of(proc, "self/mountinfo", t);
-}
-
-static const struct mount *find_id(const struct table *t, unsigned long id)
-{
-	for (int i = 0; i < t->count; i++)
-		if (t->mounts[i].id == id)
-			return &t->mounts[i];
-	return NULL;
-}
-
-/* The last mount listed at exactly this mountpoint: the one on top. */
-static const struct mount *find_point(const struct table *t, const char *point)
-{
-	const struct mount *found = NULL;
-
-	for (int i = 0; i < t->count; i++)
-		if (strcmp(t->mounts[i].point, point) == 0)
-			found = &t->mounts[i];
-	return found;
 }
 
 /* Is fstype in the comma-separated list? An entry ending in '.' matches a prefix. */
@@ -690,7 +522,7 @@ static void present_mark(const struct table *t)
 
 	say("status", "mark", "mark_dev", mark ? mark->dev : "", "mark_root",
 	    mark ? mark->root : "", NULL);
-	hear(buf, ANSWER, "go", "go", &answer);
+	hear(buf, ANSWER, ANSWER_TO_MARK, &answer);
 	if (strcmp(get(&answer, "go"), "1") != 0)
 		_exit(0);
 }
@@ -740,7 +572,7 @@ static void judge_fd(int proc, long pid, const char *number_text)
 	char name[64], info[1024], link[128];
 	const char *not_fuse = "the caller's fd %s is not /dev/fuse opened for reading and "
 			       "writing%s";
-	struct table t;
+	struct table t = { 0 };
 	const struct mount *m;
 	struct statx_ st;
 	long flags, mnt_id;
@@ -1130,7 +962,7 @@ static void announce_and_attach(int mnt, int target, uid_t uid, gid_t gid)
 	new_mount_device(mnt, uid, gid, &st);
 	snprintf(dev, sizeof(dev), "%u:%u", st.stx_dev_major, st.stx_dev_minor);
 	say("status", "built", "dev", dev, NULL);
-	hear(buf, ANSWER, "go", "go", &answer);
+	hear(buf, ANSWER, ANSWER_TO_BUILT, &answer);
 	if (strcmp(get(&answer, "go"), "1") != 0)
 		_exit(0);
 	if (syscall(SYS_move_mount_, mnt, "", target, "",
@@ -1141,7 +973,7 @@ static void announce_and_attach(int mnt, int target, uid_t uid, gid_t gid)
 /* The new mount as the table shows it must carry what was asked; else it is undone. */
 static void verify(int proc, int mnt, const struct fields *v, uid_t uid, gid_t gid)
 {
-	struct table t;
+	struct table t = { 0 };
 	const struct mount *m;
 	char want[64];
 	const char *problem = NULL;
@@ -1174,17 +1006,17 @@ static void verify(int proc, int mnt, const struct fields *v, uid_t uid, gid_t g
 		finish("failed", "the mount was undone: %s", problem);
 	}
 	say("status", "ok", "mnt_id", (snprintf(want, sizeof(want), "%lu", m->id), want),
-	    "dev", m->dev, "point", m->point, "options", m->options, "super", m->super, NULL);
+	    "dev", m->dev, "options", m->options, NULL);
 }
 
 static void mount_op(int proc, int agent_sock, int fuse, const struct fields *req)
 {
 	static char buf[MAX_FRAME];
-	char mode[16], owner[16], writable[2] = "-", root[2], mount[24];
+	char mode[16], owner[16], writable[2] = "-", mount[24];
 	char ids[2][16];
 	const char *path = get(req, "path");
 	struct fields verdict;
-	struct table t;
+	struct table t = { 0 };
 	struct statx_ st;
 	const struct mount *m;
 	uid_t uid = (uid_t)setfsuid((uid_t)-1); /* as the caller's namespace names them */
@@ -1208,13 +1040,10 @@ static void mount_op(int proc, int agent_sock, int fuse, const struct fields *re
 	snprintf(mount, sizeof(mount), "%lu", m->id);
 	snprintf(ids[0], sizeof(ids[0]), "%u", uid);
 	snprintf(ids[1], sizeof(ids[1]), "%u", gid);
-	root[0] = (st.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT)
-		  && (st.stx_attributes & STATX_ATTR_MOUNT_ROOT) ? '1' : '0';
-	root[1] = '\0';
 	say("status", "facts", "mount", mount, "fstype", m->fstype, "mount_point", m->point,
-	    "mount_root", root, "shared", m->shared ? "1" : "0", "mode", mode, "owner", owner,
+	    "shared", m->shared ? "1" : "0", "mode", mode, "owner", owner,
 	    "writable", writable, "uid", ids[0], "gid", ids[1], NULL);
-	hear(buf, ANSWER, VERDICT_FIELDS, "go", &verdict);
+	hear(buf, ANSWER, ANSWER_TO_MOUNT_FACTS, &verdict);
 	if (strcmp(get(&verdict, "go"), "1") != 0)
 		_exit(0);
 	mnt = build(agent_sock, fuse, &verdict, uid, gid);
@@ -1228,7 +1057,7 @@ static void unmount_op(int proc, const struct fields *req)
 	char id[24];
 	const char *path = get(req, "path"), *name = strrchr(path, '/') + 1;
 	struct fields verdict;
-	struct table t;
+	struct table t = { 0 };
 	const struct mount *m;
 	int parent, top;
 
@@ -1244,9 +1073,8 @@ static void unmount_op(int proc, const struct fields *req)
 		refused("'%s' is not a mountpoint%s", path, "");
 	close(top); /* an open fd, even O_PATH, would keep the mount busy */
 	snprintf(id, sizeof(id), "%lu", m->id);
-	say("status", "facts", "mount", id, "fstype", m->fstype, "dev", m->dev,
-	    "super", m->super, NULL);
-	hear(buf, ANSWER, "go lazy", "go", &verdict);
+	say("status", "facts", "mount", id, "fstype", m->fstype, "dev", m->dev, NULL);
+	hear(buf, ANSWER, ANSWER_TO_UNMOUNT_FACTS, &verdict);
 	if (strcmp(get(&verdict, "go"), "1") != 0)
 		_exit(0);
 	if (fchdir(parent) == -1)
@@ -1314,7 +1142,7 @@ int main(int argc, char *argv[])
 	mntns = (int)number(argv[3], 1 << 20);
 	if (argc == 5)
 		userns = (int)number(argv[4], 1 << 20);
-	hear(buf, REQUEST, REQUEST_FIELDS, "op path uid gid groups", &req);
+	hear(buf, REQUEST, REQUEST_FIELDS, &req);
 	if (uncharged) {
 		refusal_kind = "caller";
 		refused("%s; the broker runs no helper outside its caller's cgroups%s",
