@@ -48,7 +48,7 @@ tenant as a whole CPU instead, a node overcommitted tenfold that no scheduler wo
 Figures and targets (issue 20's): the well-behaved mount latency (p50, p99 < 100 ms) and
 failures (none); every request answered (good and hostile: no connection closed or left
 without a reply); the longest wait of a complete request (<= the helper deadline,
-server.HELPER_DEADLINE) and of a silent connection (<= the request deadline and a loop
+scheduler.HELPER_DEADLINE) and of a silent connection (<= the request deadline and a loop
 turn); helpers killed at their deadline (broker.stalled) and alive at most (killed ones
 included, <= the node's cap at the default --max-pods, the DaemonSet's); the broker's
 log lines and KiB a second during the attack; the broker's RSS and open fds before,
@@ -85,7 +85,9 @@ from typing import Any
 from bench import broker as bench
 from bench import broker_full_node as full_node
 from fuse_plugin.broker import protocol, shares
-from fuse_plugin.broker.server import HELPER_DEADLINE, REQUEST_DEADLINE, TURN
+from fuse_plugin.broker.requests import REQUEST_DEADLINE
+from fuse_plugin.broker.scheduler import HELPER_DEADLINE
+from fuse_plugin.broker.server import TURN
 from fuse_plugin.broker.settings import BrokerSettings
 from tests.lib import broker as broker_rig
 from tests.lib import oci, waiting

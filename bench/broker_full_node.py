@@ -72,7 +72,7 @@ from typing import Any
 from bench.broker import DAEMONSET, deployed_flags, fd_count, rss_kib
 from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker import cgroups, frames, messages, protocol, records, reports, shares
-from fuse_plugin.broker.conversation import Conversation
+from fuse_plugin.broker.conversation import Conversation, State
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
 from fuse_plugin.broker.helper import Job
 from fuse_plugin.broker.settings import DEFAULT_MAX_MOUNTS_POD
@@ -88,8 +88,10 @@ FILL_DEADLINE = 120.0  # seconds for a load to reach its caps
 STEP_DEADLINE = 30.0  # seconds for parked helpers to reach a step
 MIB = 1024 * 1024
 # The broker, with a helper deadline long enough for every helper of the queued load to
-# be alive at once (sys.argv: "-c" and the command's own arguments).
-LAUNCH = ("import sys; from fuse_plugin.broker import server; server.HELPER_DEADLINE = 60.0; "
+# be alive at once (sys.argv: "-c" and the command's own arguments); server is imported
+# first, so its drain's STOP_GRACE keeps the default deadline.
+LAUNCH = ("import sys; from fuse_plugin.broker import scheduler, server; "
+          "scheduler.HELPER_DEADLINE = 60.0; "
           "from fuse_plugin.cli import main; sys.exit(main())")
 
 
@@ -382,6 +384,8 @@ def drive_helpers(directory: Path, count: int, groups: int, callers_group: str =
                                  charge)
         finally:
             cgroups.close(charge)
+        work.advance(State.QUEUED)  # where the loop's scheduler puts a started request
+        work.advance(State.RUNNING)
         works.append(work)
     for step in ("mark", "facts", "built"):
         pending = reach(works, directory)

@@ -48,6 +48,9 @@ class Admission:
         self.records = records
         self.limits = limits
         self._slots: set[Slot] = set()
+        # The mounts held per container, for the probe thread (``probes``): replaced
+        # whole each time the records change, never changed in place.
+        self.mounts_held: dict[str, int] = {}
 
     def admit(self, container: str) -> Slot:
         """A slot for one more mount of ``container``; ``policy.Refused`` ("quota") when
@@ -72,6 +75,7 @@ class Admission:
             self.records.forget(record.connection)
             raise
         self._slots.discard(slot)
+        self.mounts_held = self.records.by_container()
 
     def release(self, slot: Slot | None) -> None:
         """The request has ended: its slot, if it still holds one, counts no more."""
@@ -85,10 +89,12 @@ class Admission:
         Left to the periodic prune, a pod that unmounted and asks nothing more kept a
         full node refusing its neighbours for up to ``server.PRUNE_EVERY``."""
         self.records.settle(connection)
+        self.mounts_held = self.records.by_container()
 
     def prune(self) -> None:
         """Check every record against the kernel (the loop does so now and then)."""
         self.records.prune()
+        self.mounts_held = self.records.by_container()
 
     def container(self, container: str) -> int:
         """Mounts one container holds or has in flight."""

@@ -7,10 +7,15 @@ before any helper runs (``prepare``: a mount takes its ``admission.Slot``), the 
 on what the helper reached (``verdict``), and the record of a mount before it becomes
 visible (``record``). Each of the helper's reports is read in its turn
 (``hear``, ``reports.STEPS``): a report out of turn fails the request.
+
+Where a request is (``State``) moves only along ``TRANSITIONS``, by ``advance``, which
+refuses any other move: a request is answered once, and one whose helper was told to go
+on past the facts (``JUDGED``) is never handed to another broker (``acting``).
 """
 
 from __future__ import annotations
 
+import enum
 import socket
 import time
 from dataclasses import dataclass, field
@@ -20,6 +25,33 @@ from fuse_plugin.broker import messages, policy, protocol, records, reports
 from fuse_plugin.broker.admission import Admission, Slot
 from fuse_plugin.broker.helper import Job
 from fuse_plugin.broker.shares import Ticket
+
+
+class State(enum.Enum):
+    """Where one request is, from its connection to its end."""
+
+    CONNECTED = "connected"  # accepted; its request has not arrived whole
+    QUEUED = "queued"  # admitted; it waits for its container's helper (``scheduler``)
+    RUNNING = "running"  # its helper looks: the caller's mark, the path's facts
+    JUDGED = "judged"  # its helper was told to go on: it may build a mount or unmount
+    BINDING = "binding"  # an lxcfs request, handed to ``lxcfs.Views``
+    ANSWERED = "answered"  # replied to: done, refused or failed
+    DROPPED = "dropped"  # the caller closed its connection without a request
+
+
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.CONNECTED: frozenset({State.QUEUED, State.BINDING, State.ANSWERED, State.DROPPED}),
+    State.QUEUED: frozenset({State.RUNNING, State.ANSWERED}),
+    State.RUNNING: frozenset({State.JUDGED, State.ANSWERED}),
+    State.JUDGED: frozenset({State.ANSWERED}),
+    State.BINDING: frozenset({State.ANSWERED}),
+    State.ANSWERED: frozenset(),
+    State.DROPPED: frozenset(),
+}
+
+
+class IllegalTransition(Exception):
+    """A move ``TRANSITIONS`` does not allow: a bug in the loop, which ends it."""
 
 
 @dataclass
@@ -34,7 +66,7 @@ class Conversation:
     job: Job | None = None
     started: float = field(default_factory=time.perf_counter)
     fields: dict[str, object] = field(default_factory=dict)
-    answered: bool = False
+    state: State = State.CONNECTED
     watched: bool = False  # registered with the selector until its request arrives
     heard: int = 0  # the helper's reports taken so far
     slot: Slot | None = None  # a mount's place under the caps, from admission to its end
@@ -55,9 +87,19 @@ class Conversation:
         """Its helper was told to go on past the facts, so it may have built a mount or
         unmounted: the request cannot be handed to another broker. Before, it has only
         looked (the caller's mark, the path); a killed helper leaves nothing behind."""
-        if self.parsed is None:
-            return False
-        return self.heard > reports.STEPS[self.parsed.op].index("facts")
+        return self.state is State.JUDGED
+
+    @property
+    def ended(self) -> bool:
+        """Answered, or dropped unanswered: nothing more happens to it."""
+        return not TRANSITIONS[self.state]
+
+    def advance(self, to: State) -> None:
+        """Move to ``to``; ``IllegalTransition`` if ``TRANSITIONS`` has no such move
+        (the request stays where it was)."""
+        if to not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"a request {self.state.value} cannot become {to.value}")
+        self.state = to
 
     def prepare(self, data: bytes, admission: Admission) -> None:
         """Everything that needs no helper: the message, the rules on strings, admission
@@ -93,12 +135,13 @@ class Conversation:
     def verdict(self, report: reports.MountFacts | reports.UnmountFacts,
                 store: records.Records, allow_other: bool) -> messages.Answer:
         """Judge what the helper reached (an unmount against ``store``, the records of the
-        mounts the broker made); the mount's (or unmount's) parameters, or
-        ``policy.Refused``."""
+        mounts the broker made); the mount's (or unmount's) parameters, and the request
+        is ``JUDGED``, or ``policy.Refused``."""
         who = self.caller
         if isinstance(report, reports.MountFacts):
             policy.may_mount(report.target, self.options, who.node_root, allow_other,
                              user_namespaced=who.user_ns != -1)
+            self.advance(State.JUDGED)
             options = self.options
             return messages.MountVerdict(
                 source=options.source, subtype=options.subtype, max_read=options.max_read,
@@ -109,6 +152,7 @@ class Conversation:
                            mount_id=self.request.mount_id)
         self.fields["mount_id"] = found.mount_id
         self.unmounting = found.connection
+        self.advance(State.JUDGED)
         return messages.UnmountVerdict(lazy="lazy" in self.request.flags)
 
     def record(self, built: reports.Built, store: records.Records) -> records.Record:

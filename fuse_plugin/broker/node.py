@@ -1,14 +1,15 @@
-"""What the broker sets up on the node itself: the shim where Allocate binds it from and
-the FUSE connections' control files (fusectl; ``records.abort`` uses them)."""
+"""What the broker sets up on the node itself: the shim where Allocate binds it from,
+the FUSE connections' control files (fusectl; ``records.abort`` uses them) and the
+node's cgroups its helpers are charged in."""
 
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
-from fuse_plugin import files, logs, sockets
-from fuse_plugin.broker import kernel, protocol, records
+from fuse_plugin import files
+from fuse_plugin.broker import cgroups, kernel, protocol, records
+from fuse_plugin.errors import EXIT_USAGE, Failure
 
 
 def install_shim(directory: Path, shim: bytes) -> Path:
@@ -28,16 +29,23 @@ def install_shim(directory: Path, shim: bytes) -> Path:
     return path
 
 
-def take_over(path: Path) -> None:
-    """``sockets.take_over`` for the loop's socket, logged on the broker's logger.
-    Only until server.py calls ``sockets.take_over(path, self.log, SOCK_SEQPACKET)``
-    itself, as lxcfs.py does: then this goes."""
-    sockets.take_over(path, logs.get(), socket.SOCK_SEQPACKET)
-
-
 def ensure_fusectl() -> None:
     """The FUSE connections' control files: mounted here if this namespace lacks them
     (a pod's /sys has the directory but not the filesystem)."""
     if not os.path.ismount(records.FUSECTL):
         kernel.mount("fusectl", str(records.FUSECTL), "fusectl", 0)
 
+
+def charge() -> cgroups.Charge:
+    """The hierarchies helpers are charged in, from the node's cgroup namespace; a
+    ``Failure`` at start if the broker cannot write them (fail closed: no helper would
+    ever run in the broker's cgroups)."""
+    try:
+        cgroups.enter_node_namespace()
+        return cgroups.node_charge()
+    except cgroups.Unwritable as err:
+        raise Failure(str(err), EXIT_USAGE) from None
+    except OSError as err:
+        raise Failure(f"cannot see the node's cgroups: {err.strerror or err} (the broker "
+                      "needs host PID and CAP_SYS_ADMIN to join the node's cgroup "
+                      "namespace)") from None

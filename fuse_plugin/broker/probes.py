@@ -54,7 +54,7 @@ def exposition(broker: Broker) -> Answer:
     out.family("accept_pauses_total", "counter", "Times accepting paused at the fd limit",
                ({}, snap.accept_pauses))
     out.family("mounts_held", "gauge", "Live FUSE mounts the broker made, per container cgroup",
-               *(({"cgroup": c}, n) for c, n in sorted(broker.mounts_held.items())))
+               *(({"cgroup": c}, n) for c, n in sorted(broker.admission.mounts_held.items())))
     return HTTPStatus.OK, out.encode(), CONTENT_TYPE
 
 

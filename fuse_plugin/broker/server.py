@@ -1,7 +1,9 @@
 """The broker's loop: one thread, one ``selectors`` loop, every tenant's requests.
 
 Follow a request from the socket to the mount here. The loop serves a
-``SOCK_SEQPACKET`` socket in the broker directory, which Allocate binds into containers:
+``SOCK_SEQPACKET`` socket in the broker directory, which Allocate binds into containers;
+what its selector hands back is one small type per kind of file (``events``), each
+matched to its handler in ``_dispatch``:
 
 1. accept: the kernel names the caller (``caller.identify``); per-container, per-pod and
    node-wide limits on open connections (``shares``: each node-wide cap is a pod's share
@@ -11,26 +13,27 @@ Follow a request from the socket to the mount here. The loop serves a
 2. the request arrives: ``Conversation.prepare`` (``conversation.py``) checks the
    message, the path and option rules (``policy``), admits a mount under the caps
    (``admission``: it takes a slot, which its record replaces or the end of the request
-   gives back) and opens the caller's namespaces (``Caller.open``).
+   gives back) and opens the caller's namespaces (``Caller.open``); it waits for its
+   container's helper (``scheduler``: one per container, a pod's share, deadlines,
+   helpers stuck in the kernel).
 3. the helper (``helper.Job``, ``native/helper.c``) judges the caller's /dev/fuse fd
    from /proc and takes it, enters its namespaces, resolves the path from the
    namespace's root and reports each step (``reports``); the conversation judges
    (``policy.may_mount`` / ``may_unmount``) and records a new mount before it is
    attached; the loop answers go or no, and replies when the helper is done.
 
-The loop does no path walk, no close of a tenant's file and no call that a tenant's
-FUSE daemon could stall: the helper does, with a deadline, one per container at a time.
-Every request is logged in one line: ``broker.mount``, ``broker.unmount``,
-``broker.refused`` (a rule) or ``broker.failed`` (the kernel or a deadline said no).
-The command around the loop is ``command.py``, its settings ``settings.py``.
+A request moves through named states (``conversation.State``) and ends in one reply or
+a drop (``replies``). The loop does no path walk, no close of a tenant's file and no
+call that a tenant's FUSE daemon could stall: the helper does, with a deadline. Every
+request is logged in one line: ``broker.mount``, ``broker.unmount``, ``broker.refused``
+(a rule) or ``broker.failed`` (the kernel or a deadline said no). The command around
+the loop is ``command.py``, its settings ``settings.py``.
 """
-
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
-import itertools
+import functools
 import logging
 import os
 import selectors
@@ -39,64 +42,44 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 from fuse_plugin import files, logs, sockets
 from fuse_plugin.broker import (
-    budget,
-    cgroups,
-    frames,
+    events,
     lxcfs,
     mountinfo,
     node,
     policy,
     protocol,
     records,
+    scheduler,
     shares,
 )
-from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker.admission import Admission, Limits
 from fuse_plugin.broker.conversation import Conversation
 from fuse_plugin.broker.helper import NAME as HELPER_NAME
-from fuse_plugin.broker.helper import Job
-from fuse_plugin.broker.messages import GO, STOP, Exited
-from fuse_plugin.broker.reports import Built, Done, HelperFailed, Marked, MountFacts, UnmountFacts
+from fuse_plugin.broker.replies import Replies
+from fuse_plugin.broker.reports import HelperFailed
+from fuse_plugin.broker.requests import Requests
+from fuse_plugin.broker.scheduler import Answers, Scheduler
 from fuse_plugin.broker.settings import DEFAULT_SHIM, BrokerSettings
 from fuse_plugin.broker.stats import BrokerStats
 from fuse_plugin.errors import EXIT_USAGE, Failure
 
-# Fair shares (``shares``): a container gets at most PER_CONTAINER open requests (a
-# tenant holding silent connections only uses its own), a pod (its containers together,
-# policy.pod_of) PER_POD of them, PER_POD_HELPERS helpers alive (killed ones that have not
-# exited included: each holds descriptors and memory until it exits; a container has at
-# most one, and a pod's further requests wait for its own) and --max-mounts-pod mounts.
-# The node's caps are these times --max-pods.
-PER_CONTAINER = shares.PER_CONTAINER
-PER_POD = shares.PER_POD
-PER_POD_HELPERS = shares.PER_POD_HELPERS
-REQUEST_DEADLINE = 5.0  # seconds from accept to a complete request
-HELPER_DEADLINE = 5.0  # seconds a helper may take; then it is killed
-KILL_GRACE = 2.0  # a killed helper still alive after this is stuck on a FUSE daemon
 ACCEPT_PAUSE = 1.0  # out of fds: the backlog waits this long before the next accept
 # SIGTERM: the drain. Requests already held go on for this long (a helper at work then
 # reaches its own deadline within it); see Broker._close.
-STOP_GRACE = HELPER_DEADLINE
+STOP_GRACE = scheduler.HELPER_DEADLINE
 PRUNE_EVERY = 10.0  # records of connections that ended are dropped this often
 TURN = 1.0  # the loop turns at least this often (the liveness probe watches it)
 SO_PASSRIGHTS = 83  # Linux 6.16+
 
 
-@dataclass(eq=False)
-class _Exiting:
-    """A released helper, killed, until its pidfd says it has exited (one still alive
-    KILL_GRACE after its SIGKILL is stuck: ``_reap_stuck``)."""
-
-    container: str
-    job: Job
-
-
 class Broker:
+    """The loop: start, the selector's turns, the drain on stop. What a turn's events
+    lead to is ``requests`` (and ``scheduler`` for released helpers); how a request
+    ends, ``replies``."""
+
     def __init__(self, settings: BrokerSettings, log: logging.Logger) -> None:
         self.settings = settings
         self.log = log
@@ -111,31 +94,30 @@ class Broker:
             node=self.caps.mounts))
         self.open = shares.OpenRequests(self.caps)
         self.turned = time.monotonic()
-        # Published for the probe thread: replaced whole, never changed in place.
-        self.mounts_held: dict[str, int] = {}
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
         self._identity: files.Identity | None = None
-        self._mark = policy.Mark("", "")
-        self.charge = cgroups.Charge(())  # where helpers run: their callers' cgroups
         # Wakes the loop: signals (set_wakeup_fd, armed in start) and stop().
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._selector.register(self._wake_r, selectors.EVENT_READ, events.Woken())
         self._signals_wake = False
         self._stopping = False
         self._closed = False
         self._refuses_descriptors = False
         self._paused_until = 0.0
         self._pruned = 0.0
-        self._busy = 0  # refused at accept since the last summary line
-        self._busy_said = 0.0
-        self._waiting: dict[int, Conversation] = {}  # by socket fd: no complete request yet
-        self._queued: dict[str, collections.deque[Conversation]] = {}  # by container
-        self._running: dict[str, Conversation] = {}  # by container: its helper is at work
-        self._exiting: list[_Exiting] = []  # released (killed) helpers not exited yet
-        self._budget = budget.LogBudget()  # lines per tenant and kind of refusal
+        self.replies = Replies(log, self.stats, self.admission, self.open)
+        self.helpers = Scheduler(
+            self._selector, self.caps, helper_binary=self.helper_binary, store=self.records,
+            stats=self.stats, log=log,
+            answers=Answers(refuse=self.replies.refuse, fail=self.replies.fail,
+                            pause=self._pause))
+        self.requests = Requests(self._selector, settings, admission=self.admission,
+                                 open_requests=self.open, store=self.records,
+                                 helpers=self.helpers, replies=self.replies,
+                                 pause=self._pause)
         self.views: lxcfs.Views | None = None  # LXCFS views (lxcfs.py), from start
 
     # -- start and stop ------------------------------------------------------------------
@@ -151,7 +133,7 @@ class Broker:
                               "`scripts/build-native DIR` from the source tree (Debian: gcc "
                               "musl-tools), then --shim DIR/fusermount3", EXIT_USAGE)
         try:
-            self.charge = _charge()
+            self.helpers.charge = node.charge()
             node.ensure_fusectl()
             held = self.records.load()
         except OSError as err:
@@ -163,14 +145,15 @@ class Broker:
             # Every container user must reach the socket through the directory's bind.
             settings.directory.chmod(0o755)
             shim = node.install_shim(settings.directory, settings.shim.read_bytes())
-            self._mark = mountinfo.mark_of(settings.directory)
+            mark = mountinfo.mark_of(settings.directory)
             self._listen()
             self.views = lxcfs.Views(
                 self._selector, tool=self.helper_binary.parent / lxcfs.TOOL_NAME,
                 directory=settings.lxcfs_dir, state=settings.state / "lxcfs",
-                mark=self._mark, log=self.log,
-                answer=self._answer_lxcfs)
+                mark=mark, log=self.log,
+                answer=self.requests.answer_lxcfs)
             self.views.start()
+            self.requests.serve(mark, self.views)
         except OSError as err:
             raise Failure(f"cannot serve in {settings.directory}: {err.strerror or err}") \
                 from None
@@ -183,7 +166,7 @@ class Broker:
                    max_mounts_node=caps.mounts, max_mounts_pod=settings.max_mounts_pod,
                    max_pods=caps.max_pods, max_requests=caps.requests,
                    max_helpers=caps.helpers, fd_limit=fd_limit, held=held,
-                   charged=self.charge.names,
+                   charged=self.helpers.charge.names,
                    allow_other=settings.allow_other,
                    refuses_descriptors=self._refuses_descriptors)
         self._say_short(caps, fd_limit)
@@ -203,7 +186,7 @@ class Broker:
     def _listen(self) -> None:
         path = self.socket_path
         try:
-            node.take_over(path)
+            sockets.take_over(path, self.log, socket.SOCK_SEQPACKET)
         except sockets.InUse:
             raise Failure(f"another broker is serving on {path}") from None
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -220,7 +203,7 @@ class Broker:
         listener.setblocking(False)
         self._identity = files.identity(path)
         self._listener = listener
-        self._selector.register(listener, selectors.EVENT_READ, "listen")
+        self._selector.register(listener, selectors.EVENT_READ, events.Listening())
 
     @property
     def serving(self) -> bool:
@@ -260,32 +243,29 @@ class Broker:
         self._stop_listening()
         end = time.monotonic() + STOP_GRACE
         self._turn(0.0)  # requests that arrived since the last turn: held from now on
-        self._turn_while(lambda: bool(self._queued or self._running), end)
+        self._turn_while(lambda: self.helpers.holding, end)
         stopping = policy.Refused("the broker is stopping and did nothing of this "
                                   "request; try again", "busy")
-        waiting = list(self._waiting.values())
-        for conversation in waiting:
-            self._unwait(conversation)
-        queued = [w for q in self._queued.values() for w in q]
-        self._queued.clear()
+        waiting = self.requests.take_waiting()
+        queued = self.helpers.take_queued()
         for conversation in [*waiting, *queued]:
-            self._refuse(conversation, stopping, retry=True)
-        for conversation in [w for w in self._running.values() if not w.acting]:
-            self._refuse(conversation, stopping, retry=True)
-            self._release(conversation)
-        self._turn_while(lambda: bool(self._running), end + HELPER_DEADLINE)
-        for conversation in list(self._running.values()):  # past their deadlines: not expired yet
+            self.replies.refuse(conversation, stopping, retry=True)
+        running = self.helpers.running
+        for conversation in [w for w in running.values() if not w.acting]:
+            self.replies.refuse(conversation, stopping, retry=True)
+            self.helpers.release(conversation)
+        self._turn_while(lambda: bool(running), end + scheduler.HELPER_DEADLINE)
+        for conversation in list(running.values()):  # past their deadlines: not expired yet
             if conversation.job is not None:
                 conversation.job.kill()
-            self._fail(conversation, HelperFailed("the broker is stopping"))
-        for exiting in self._exiting:
-            exiting.job.close()
+            self.replies.fail(conversation, HelperFailed("the broker is stopping"))
+        self.helpers.close()
         if self.views is not None:
             self.views.close()
         if self._signals_wake and threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(-1)
         self._selector.close()
-        self._summarise(time.monotonic(), everything=True)
+        self.replies.summarise(time.monotonic(), everything=True)
         logs.event(self.log, "stopped")
 
     def _stop_listening(self) -> None:
@@ -324,11 +304,11 @@ class Broker:
         # Requests already under way first (their helpers' messages), new connections
         # last: under load a mount in progress moves on every turn, however many new
         # connections a flood has queued.
-        ready = sorted((key.data for key, _ in self._selector.select(timeout)),
-                       key=_urgency)
-        for data in ready:
-            self._survive(self._dispatch, data)
-        self._survive(self._expire, time.monotonic())
+        ready: list[events.Event] = sorted(
+            (key.data for key, _ in self._selector.select(timeout)), key=events.urgency)
+        for event in ready:
+            self._survive(functools.partial(self._dispatch, event), events.request_of(event))
+        self._survive(functools.partial(self._expire, time.monotonic()))
 
     def _soonest(self) -> list[float]:
         """The next deadline of a request not yet complete and of a helper. Each table
@@ -337,56 +317,45 @@ class Broker:
         entry has the soonest: a turn costs the same however many are open (listing
         every deadline cost a full node's silent connections a large share of the loop's
         time: bench/README.md, "The broker at its caps")."""
-        soonest = [w.deadline for w in itertools.islice(self._waiting.values(), 1)]
-        soonest += [w.job.deadline for w in itertools.islice(self._running.values(), 1)
-                    if w.job is not None]
+        soonest = self.requests.soonest() + self.helpers.soonest()
         return soonest + (self.views.soonest() if self.views is not None else [])
 
-    def _dispatch(self, data: object) -> None:
-        if data == "listen":
-            self._accept()
-        elif data == "wake":
-            with contextlib.suppress(BlockingIOError):
-                self._wake_r.recv(512)
-        elif isinstance(data, Conversation):
-            self._receive(data)
-        elif isinstance(data, _Exiting):
-            self._reap(data)
-        elif isinstance(data, lxcfs.Event) and self.views is not None:
-            self.views.handle(data)
-        elif isinstance(data, tuple):
-            kind, conversation = data
-            (self._hear if kind == "ctl" else self._exited)(conversation)
+    def _dispatch(self, event: events.Event) -> None:
+        """Each kind of file the loop watches to its handler (``events``)."""
+        match event:
+            case events.Listening():
+                self._accept()
+            case events.Woken():
+                with contextlib.suppress(BlockingIOError):
+                    self._wake_r.recv(512)
+            case events.FromCaller(conversation):
+                self.requests.receive(conversation)
+            case events.FromHelper(conversation):
+                self.requests.hear(conversation)
+            case events.HelperExited(conversation):
+                self.requests.exited(conversation)
+            case events.HelperGone(exiting):
+                self.helpers.reap(exiting)
+            case lxcfs.Event():
+                if self.views is not None:
+                    self.views.handle(event)
 
-    def _survive(self, step: Callable[[Any], None], arg: object) -> None:
+    def _survive(self, step: Callable[[], None],
+                 conversation: Conversation | None = None) -> None:
         """Run one step of the loop; the broker's own shortage of descriptors or memory
         anywhere in it (EMFILE, ENFILE, ENOMEM, ENOBUFS) pauses accepting and answers
         the request at hand "busy" instead of ending the broker (a traceback on
         /proc/N/status at the fd limit would let a tenant stop it). Any other error is a
         bug and still ends it."""
         try:
-            step(arg)
+            step()
         except OSError as err:
             if not policy.out_of_resources(err):
                 raise
             self._pause(err)
-            conversation = arg if isinstance(arg, Conversation) else (
-                arg[1] if isinstance(arg, tuple) and isinstance(arg[1], Conversation) else None)
             if conversation is not None:
-                self._abandon(conversation, policy.OutOfResources("serving the request", err))
-
-    def _abandon(self, conversation: Conversation, refused: policy.Refused) -> None:
-        """Answer a request that a shortage interrupted, wherever it was."""
-        if self._waiting.get(conversation.sock.fileno()) is conversation:
-            self._unwait(conversation)
-        for queue in self._queued.values():
-            if conversation in queue:
-                queue.remove(conversation)
-        if conversation.job is not None and conversation.job.ctl.fileno() != -1:
-            conversation.job.send(STOP)
-        if not conversation.answered:
-            self._refuse(conversation, refused)
-        self._release(conversation)
+                self.requests.abandon(conversation,
+                                      policy.OutOfResources("serving the request", err))
 
     def _accept(self) -> None:
         """One new connection a turn. Taking it reads its request and may start a
@@ -404,49 +373,7 @@ class Broker:
                 self._pause(err)
             return
         sock.setblocking(False)
-        who: callers.Caller | None = None
-        ticket: shares.Ticket | None = None
-        refused: policy.Refused | None = None
-        try:
-            who = callers.identify(sock)
-            ticket = self.open.admit(who.container)
-        except policy.OutOfResources as refusal:
-            self._pause(refusal.error)
-            refused = refusal
-        except policy.Refused as refusal:
-            refused = refusal
-        except OSError as err:
-            refused = policy.Refused(f"cannot identify the caller: "
-                                     f"{err.strerror or err}", "caller")
-        if refused is not None:
-            self._refuse_at_accept(sock, who, refused)
-            return
-        assert who is not None
-        assert ticket is not None
-        conversation = Conversation(sock, who, time.monotonic() + REQUEST_DEADLINE, ticket=ticket)
-        conversation.fields.update(pid=who.pid, uid=who.uid, cgroup=who.container)
-        self._waiting[sock.fileno()] = conversation
-        # The shim sends as soon as it connects, so the request is usually there
-        # already: read it now rather than after another turn of the selector.
-        self._receive(conversation)
-
-    def _refuse_at_accept(self, sock: socket.socket, who: callers.Caller | None,
-                          refused: policy.Refused) -> None:
-        """Answered at once, so that a flood holds no slot (the shim reads the answer
-        even when its send finds the connection closed), and logged as one line a second
-        however many there are."""
-        self.stats.refused(refused.kind)
-        self._busy += 1
-        now = time.monotonic()
-        if now - self._busy_said >= 1.0:
-            logs.event(self.log, "broker.refused", logging.WARNING, connections=self._busy,
-                       kind=refused.kind, reason=budget.bounded(str(refused)),
-                       pid=who.pid if who else 0,
-                       cgroup=budget.bounded(who.container if who else ""))
-            self._busy, self._busy_said = 0, now
-        _answer(sock, protocol.encode(status="error", message=f"broker refused: {refused}"))
-        if who is not None:
-            who.close()
+        self.requests.connected(sock)
 
     def _pause(self, err: OSError) -> None:
         """Out of fds: stop accepting for a moment (the backlog holds the callers) and
@@ -459,394 +386,16 @@ class Broker:
         logs.event(self.log, "broker.accept_paused", logging.WARNING,
                    reason=err.strerror or str(err), seconds=ACCEPT_PAUSE)
 
-    def _receive(self, conversation: Conversation) -> None:
-        try:
-            data = conversation.sock.recv(protocol.MAX_MESSAGE + 1)
-        except BlockingIOError:
-            if not conversation.watched:
-                self._selector.register(conversation.sock, selectors.EVENT_READ, conversation)
-                conversation.watched = True
-            return
-        except OSError:
-            data = b""
-        self._unwait(conversation)
-        if not data:
-            self._drop(conversation)
-            return
-        if self.views is not None and lxcfs.asks(data):
-            self.views.request(conversation, data)
-            return
-        try:
-            conversation.prepare(data, self.admission)
-        except policy.Refused as refused:
-            if isinstance(refused, policy.OutOfResources):
-                self._pause(refused.error)
-            self._refuse(conversation, refused)
-            return
-        self._queued.setdefault(conversation.container, collections.deque()).append(conversation)
-        self._next(conversation.container)
-
-    def _unwait(self, conversation: Conversation) -> None:
-        """The connection leaves the selector: its request arrived, or it never will."""
-        if conversation.watched:
-            self._selector.unregister(conversation.sock)
-            conversation.watched = False
-        del self._waiting[conversation.sock.fileno()]
-
-    def _next(self, container: str) -> None:
-        """Start the container's next request once none of its helpers is alive (a
-        killed one that has not exited included: it still holds what it took) and its
-        pod has fewer than its share alive; until then the request waits in its queue,
-        for helpers of its own pod only (``_wake_pod``), which end within their
-        deadline."""
-        queue = self._queued.get(container)
-        while queue and not self._helper_alive(container) and self._pod_has_room(container):
-            conversation = queue.popleft()
-            refused = self._helpers_full()
-            if refused is not None:
-                self._refuse(conversation, refused)
-                continue
-            try:
-                conversation.job = self._spawn(conversation)
-            except policy.Refused as uncharged:
-                if isinstance(uncharged, policy.OutOfResources):
-                    self._pause(uncharged.error)
-                self._refuse(conversation, uncharged)
-                continue
-            except frames.FrameError as err:
-                self._refuse(conversation, policy.Refused(
-                    f"the request cannot be handed to the helper whole ({err}); it is "
-                    "refused rather than cut", "request"))
-                continue
-            except OSError as err:
-                if policy.out_of_resources(err):
-                    self._pause(err)
-                    self._refuse(conversation,
-                                 policy.OutOfResources(f"starting {HELPER_NAME}", err))
-                else:
-                    self._fail(conversation, HelperFailed(f"cannot start {HELPER_NAME}: "
-                                                  f"{err.strerror or err}"))
-                continue
-            self._running[container] = conversation
-            job = conversation.job
-            self._selector.register(job.ctl, selectors.EVENT_READ, ("ctl", conversation))
-            self._selector.register(job.pidfd, selectors.EVENT_READ, ("exit", conversation))
-        if queue and self._blocked(container, time.monotonic()):
-            blocked = policy.Refused(
-                "this container's last helper is blocked in the kernel (on a FUSE "
-                "daemon) and has not exited; try again", "busy")
-            while queue:
-                self._refuse(queue.popleft(), blocked)
-        if queue is not None and not queue:
-            del self._queued[container]
-
-    def _spawn(self, conversation: Conversation) -> Job:
-        """The request's helper, in its caller's cgroups (``cgroups``): ``Refused`` if
-        they cannot be opened or the caller has gone meanwhile."""
-        charge = self.charge.open(conversation.caller.pid)
-        try:
-            # The cgroups were its pid's, not a reuser's:
-            if charge and not conversation.caller.alive():
-                raise policy.Refused(f"the calling process {conversation.caller.pid} has exited",
-                                     "caller")
-            return Job.start(self.helper_binary, conversation.caller, conversation.request,
-                             time.monotonic() + HELPER_DEADLINE, charge)
-        finally:
-            cgroups.close(charge)
-
-    def _helper_alive(self, container: str) -> bool:
-        return container in self._running or any(g.container == container
-                                                  for g in self._exiting)
-
-    def _blocked(self, container: str, now: float) -> bool:
-        """A killed helper of this container still alive after the grace: stuck."""
-        return any(g.container == container and g.job.killed_at is not None
-                   and now - g.job.killed_at >= KILL_GRACE for g in self._exiting)
-
-    def _pod_has_room(self, container: str) -> bool:
-        """Whether the container's pod has fewer than PER_POD_HELPERS helpers alive."""
-        pod = policy.pod_of(container)
-        alive = [*self._running, *(g.container for g in self._exiting)]
-        return sum(1 for c in alive if policy.pod_of(c) == pod) < PER_POD_HELPERS
-
-    def _wake_pod(self, container: str) -> None:
-        """One of the pod's helpers may have gone: its other containers' waiting
-        requests start, while the pod has helpers to spare."""
-        pod = policy.pod_of(container)
-        for other in [c for c in self._queued if c != container and policy.pod_of(c) == pod]:
-            if not self._pod_has_room(other):
-                return
-            self._next(other)
-
-    def _helpers_full(self) -> policy.Refused | None:
-        """The node's cap, reached only by more pods than --max-pods at their share."""
-        alive = len(self._running) + len(self._exiting)
-        if alive >= self.caps.helpers:
-            return policy.Refused(f"the broker has {alive} helpers alive, "
-                                  f"{PER_POD_HELPERS} for each of --max-pods "
-                                  f"{self.caps.max_pods} pods; try again", "busy")
-        return None
-
-    def _hear(self, conversation: Conversation) -> None:
-        job = conversation.job
-        if job is None or self._running.get(conversation.container) is not conversation:
-            return  # an event for a helper that was released earlier in this turn
-        message = job.receive()
-        if message is None:
-            return
-        try:
-            report = conversation.hear(message)
-            if isinstance(report, Marked):
-                policy.allocated(report.mark, self._mark)
-                job.send(GO)
-            elif isinstance(report, MountFacts | UnmountFacts):
-                job.send(conversation.verdict(report, self.records, self.settings.allow_other))
-            elif isinstance(report, Built):
-                self._record(conversation, report)
-                job.send(GO)
-            else:
-                self._succeed(conversation, report)
-            return
-        except policy.Refused as refused:
-            job.send(STOP)
-            self._refuse(conversation, refused)
-        except HelperFailed as failed:
-            self._fail(conversation, failed)
-        self._release(conversation)
-
-    def _record(self, conversation: Conversation, built: Built) -> None:
-        """Crash-only records: the new mount is recorded while still detached
-        (``Conversation.record``), in its slot's place in the count; a record the broker
-        cannot write is no mount."""
-        record = conversation.record(built, self.records)
-        assert conversation.slot is not None, "a mount is admitted before its helper starts"
-        try:
-            self.admission.commit(conversation.slot, record)
-        except OSError as err:
-            if policy.out_of_resources(err):
-                self._pause(err)
-            raise HelperFailed(f"cannot record the mount: {err.strerror or err}") from None
-        self.mounts_held = self.records.by_container()
-
-    def _succeed(self, conversation: Conversation, done: Done) -> None:
-        conversation.done(done)
-        if conversation.unmounting is not None:
-            self.admission.unmounted(conversation.unmounting)
-            self.mounts_held = self.records.by_container()
-        self.stats.served(conversation.request.op)
-        self._log(conversation, f"broker.{conversation.request.op}", logging.INFO)
-        self._reply(conversation, status="ok", mount_id=done.mount_id)
-        self._release(conversation)
-
-    def _exited(self, conversation: Conversation) -> None:
-        """The helper's pidfd: it has exited. A request it had not finished fails."""
-        job = conversation.job
-        if job is None:
-            return
-        message = job.receive()  # a last word it sent before exiting
-        if self._running.get(conversation.container) is conversation:
-            try:
-                report = conversation.hear(Exited() if message is None else message)
-                if not isinstance(report, Done):
-                    raise HelperFailed("the broker's helper exited without an answer")
-                self._succeed(conversation, report)
-                return
-            except policy.Refused as refused:
-                self._refuse(conversation, refused)
-            except HelperFailed as failed:
-                self._fail(conversation, failed)
-            self._release(conversation)
-
-    def _release(self, conversation: Conversation) -> None:
-        """The request is answered: its helper leaves the loop (or, until it has exited,
-        waits among the exiting: killed, and stuck if the kernel holds it past
-        KILL_GRACE), and the container's next request may start."""
-        job = conversation.job
-        if job is not None:
-            for fileobj in (job.ctl, job.pidfd):
-                with contextlib.suppress(KeyError, ValueError):
-                    self._selector.unregister(fileobj)
-            if job.exited():
-                job.close()
-            else:  # usually exiting already; its pidfd says when it is gone
-                job.kill()
-                exiting = _Exiting(conversation.container, job)
-                self._exiting.append(exiting)
-                self._selector.register(job.pidfd, selectors.EVENT_READ, exiting)
-            conversation.job = None
-        if self._running.get(conversation.container) is conversation:
-            del self._running[conversation.container]
-            self._next(conversation.container)
-            self._wake_pod(conversation.container)
-
     def _expire(self, now: float) -> None:
         if self._paused_until and now >= self._paused_until and self._listener is not None:
             self._paused_until = 0.0
-            self._selector.register(self._listener, selectors.EVENT_READ, "listen")
-        # Soonest first, and no further than the first still in time (``_soonest``).
-        while self._waiting:
-            conversation = next(iter(self._waiting.values()))
-            if conversation.deadline > now:
-                break
-            self._unwait(conversation)
-            self._refuse(conversation, policy.Refused(
-                f"no complete request within {REQUEST_DEADLINE:g}s", "request"))
-        while self._running:
-            conversation = next(iter(self._running.values()))
-            if conversation.job is None or conversation.job.deadline > now:
-                break
-            self.stats.stalled()
-            logs.event(self.log, "broker.stalled", logging.WARNING, cgroup=conversation.container,
-                       pid=conversation.caller.pid, seconds=HELPER_DEADLINE)
-            self._fail(conversation, HelperFailed(f"the request did not finish within "
-                                          f"{HELPER_DEADLINE:g}s (a FUSE filesystem on the "
-                                          "way may not be answering)"))
-            self._release(conversation)
-        self._reap_stuck(now)
+            self._selector.register(self._listener, selectors.EVENT_READ, events.Listening())
+        self.requests.expire(now)
+        self.helpers.expire(now)
         if self.views is not None:
             self.views.expire(now)
-        self._summarise(now)
+        self.replies.summarise(now)
         if now - self._pruned >= PRUNE_EVERY:
             self._pruned = now
             self.admission.prune()
-            self.mounts_held = self.records.by_container()
 
-    def _reap(self, exiting: _Exiting) -> None:
-        """A released helper has exited: its container may have the next one."""
-        if exiting in self._exiting:
-            self._exiting.remove(exiting)
-            with contextlib.suppress(KeyError, ValueError):
-                self._selector.unregister(exiting.job.pidfd)
-            exiting.job.close()
-        self._next(exiting.container)
-        self._wake_pod(exiting.container)
-
-    def _reap_stuck(self, now: float) -> None:
-        """Killed helpers that have not died are blocked in the kernel, which in a
-        container means on one of its FUSE daemons: abort the connections the broker made
-        for that container, which frees them, and say so; the container's waiting
-        requests are answered "busy" meanwhile."""
-        for exiting in list(self._exiting):
-            job, container = exiting.job, exiting.container
-            if job.exited():
-                self._reap(exiting)
-            elif (not job.aborted and job.killed_at is not None
-                  and now - job.killed_at >= KILL_GRACE):
-                job.aborted = True
-                aborted = [n for n in self.records.connections(container) if records.abort(n)]
-                self.stats.aborted(len(aborted))
-                logs.event(self.log, "broker.aborted", logging.WARNING, cgroup=container,
-                           connections=aborted,
-                           reason=f"a helper stayed blocked {KILL_GRACE:g}s after SIGKILL")
-                self._next(container)
-
-    # -- answers -------------------------------------------------------------------------
-
-    def _refuse(self, conversation: Conversation, refused: policy.Refused,
-                retry: bool = False, later: bool = False) -> None:
-        """``retry``: nothing of the request was done and the broker is going away; the
-        shim asks the next one (protocol.RETRY_FIELD). ``later``: no lxcfs serves yet;
-        the shim asks again within its wait (lxcfs.LATER_FIELD)."""
-        conversation.fields.update(reason=str(refused), kind=refused.kind)
-        if retry:
-            conversation.fields["retry"] = True
-        self.stats.refused(refused.kind)
-        if self._budget.admit(conversation.container, refused.kind, str(refused), time.monotonic()):
-            self._log(conversation, "broker.refused", logging.WARNING)
-        self._reply(conversation, status="error", message=f"broker refused: {refused}",
-                    **({protocol.RETRY_FIELD: 1} if retry else {}),
-                    **({lxcfs.LATER_FIELD: 1} if later else {}))
-
-    def _answer_lxcfs(self, conversation: Conversation, outcome: policy.Refused | str | None,
-                      later: bool) -> None:
-        """How an lxcfs request (lxcfs.Views) ended: bound, refused or failed."""
-        if outcome is None:
-            self.stats.served(lxcfs.OP)
-            self._log(conversation, "broker.lxcfs", logging.INFO)
-            self._reply(conversation, status="ok")
-        elif isinstance(outcome, policy.Refused):
-            if isinstance(outcome, policy.OutOfResources):
-                self._pause(outcome.error)
-            self._refuse(conversation, outcome, later=later)
-        else:
-            self._fail(conversation, HelperFailed(outcome))
-
-    def _fail(self, conversation: Conversation, failed: HelperFailed) -> None:
-        conversation.fields["reason"] = str(failed)
-        self.stats.failed()
-        if self._budget.admit(conversation.container, "failed", str(failed), time.monotonic()):
-            self._log(conversation, "broker.failed", logging.ERROR)
-        self._reply(conversation, status="error", message=f"broker: {failed}")
-
-    def _log(self, conversation: Conversation, event: str, level: int) -> None:
-        # Logged before the reply: whoever sees the answer can already find its line.
-        took = time.perf_counter() - conversation.started
-        conversation.fields["duration_ms"] = round(took * 1000, 2)
-        logs.event(self.log, event, level,
-                   **{k: budget.bounded(v) for k, v in conversation.fields.items()})
-
-    def _summarise(self, now: float, everything: bool = False) -> None:
-        """One line per container and kind whose refusals went unlogged this interval."""
-        for summary in self._budget.due(now, everything):
-            logs.event(self.log, "broker.refused_summary", logging.WARNING,
-                       cgroup=budget.bounded(summary.container), kind=summary.kind,
-                       suppressed=summary.suppressed, seconds=summary.seconds,
-                       last_reason=budget.bounded(summary.reason))
-
-    def _reply(self, conversation: Conversation, **fields: object) -> None:
-        conversation.answered = True
-        self._end(conversation)
-        _answer(conversation.sock, protocol.encode(**fields))
-        conversation.caller.close()
-
-    def _drop(self, conversation: Conversation) -> None:
-        self._end(conversation)
-        conversation.sock.close()
-        conversation.caller.close()
-
-    def _end(self, conversation: Conversation) -> None:
-        """Every request ends in ``_reply`` or ``_drop``, however it went (done, refused,
-        failed, past its deadline, the broker stopping), so a mount's slot is given back
-        here, once (a slot its record took counts as that record), and so is its place
-        among the open requests, both before the answer: a caller that asks again on
-        hearing it finds them free."""
-        self.admission.release(conversation.slot)
-        conversation.slot = None
-        self.open.release(conversation.ticket)
-        conversation.ticket = None
-
-
-def _charge() -> cgroups.Charge:
-    """The hierarchies helpers are charged in, from the node's cgroup namespace; a
-    ``Failure`` at start if the broker cannot write them (fail closed: no helper would
-    ever run in the broker's cgroups)."""
-    try:
-        cgroups.enter_node_namespace()
-        return cgroups.node_charge()
-    except cgroups.Unwritable as err:
-        raise Failure(str(err), EXIT_USAGE) from None
-    except OSError as err:
-        raise Failure(f"cannot see the node's cgroups: {err.strerror or err} (the broker "
-                      "needs host PID and CAP_SYS_ADMIN to join the node's cgroup "
-                      "namespace)") from None
-
-
-def _urgency(data: object) -> int:
-    """The order a turn serves what is ready in: helpers, then requests, then accepts."""
-    if isinstance(data, tuple | _Exiting):
-        return 0
-    return 2 if data == "listen" else 1
-
-
-def _answer(sock: socket.socket, message: bytes) -> None:
-    """Send the one reply and close. Closing a unix socket with unread messages makes
-    the peer's next read fail (ECONNRESET) before it sees the reply: so further sends are
-    shut out first and whatever arrived is drained (a few messages at most; the socket
-    carries no descriptors)."""
-    with contextlib.suppress(OSError):
-        sock.send(message)
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RD)
-        while sock.recv(protocol.MAX_MESSAGE + 1):
-            pass
-    sock.close()

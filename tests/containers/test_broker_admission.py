@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.broker import server
+from fuse_plugin.broker import shares
 from tests.lib import broker as broker_rig
 from tests.lib import oci, profiles, workloads
 from tests.lib.broker import BrokerProcess, Burst, attack
@@ -150,7 +150,7 @@ def over_the_caps(outcome: list[tuple[Tenant, dict[str, Any], int]]) -> list[str
 
 def test_mounts_in_flight_count_against_every_cap(
         capped: BrokerProcess, broker_allocation: api.ContainerAllocateResponse) -> None:
-    assert GREEDY[0] * GREEDY[1] <= server.PER_POD  # refused by the caps, never "busy"
+    assert GREEDY[0] * GREEDY[1] <= shares.PER_POD  # refused by the caps, never "busy"
     assert POD_SHARE + sum(n * asks for n, asks in NEIGHBOURS) == NODE_CAP
     spec = tenant_spec(broker_allocation)
     with oci.Runc() as runc:

@@ -22,7 +22,7 @@ import subprocess
 from pathlib import Path
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.broker import server
+from fuse_plugin.broker import scheduler, server
 from tests.lib import broker as broker_rig
 from tests.lib import oci, profiles, waiting, workloads
 from tests.lib.broker import BrokerProcess
@@ -113,7 +113,7 @@ def test_mounts_in_flight_at_sigterm_all_end_as_mounts(
                          "the old broker to stop listening")
         after = mounts(container, ["d", "e"], tmp_path / "after.log")  # wait in the shim
         waiting.wait_for(lambda: let_one_through(gate), WAIT, "the first helper at the gate")
-        assert old.proc.wait(server.STOP_GRACE + server.HELPER_DEADLINE + WAIT) == 0
+        assert old.proc.wait(server.STOP_GRACE + scheduler.HELPER_DEADLINE + WAIT) == 0
     finally:
         old.stop()
     broker.start()  # the new broker, the real helper; the old one's records

@@ -30,7 +30,7 @@ import pytest
 
 from fuse_plugin.api import api_pb2 as api
 from fuse_plugin.broker import frames
-from fuse_plugin.broker.server import HELPER_DEADLINE
+from fuse_plugin.broker.scheduler import HELPER_DEADLINE
 from tests.lib import broker as broker_rig
 from tests.lib import oci, profiles, workloads
 from tests.lib.broker import BrokerProcess, Held, attack

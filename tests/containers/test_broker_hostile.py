@@ -211,7 +211,7 @@ def test_descriptors_sent_to_the_broker_are_refused_by_the_kernel(scene: Scene) 
 def test_silent_connections_take_only_the_attackers_share(scene: Scene) -> None:
     attacker = scene.attacker()
     held = Held(attacker, "silent", "300", "--settle")
-    from fuse_plugin.broker.server import PER_CONTAINER
+    from fuse_plugin.broker.shares import PER_CONTAINER
 
     assert held.answer["held"] == PER_CONTAINER
     assert sum(held.answer["refused"].values()) == 300 - PER_CONTAINER

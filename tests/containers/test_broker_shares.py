@@ -5,7 +5,7 @@ as the kubelet nests them) used to add up to the node's caps: three containers h
 their --max-mounts reached --max-mounts-node and every other pod was refused; one pod of
 64 containers holding four silent connections each took all 256 and every other pod's
 request was answered "busy". Now a pod gets --max-mounts-pod of the node's mounts and
-``server.PER_POD`` of its open requests (and ``server.PER_POD_HELPERS`` of its helpers),
+``shares.PER_POD`` of its open requests (and ``shares.PER_POD_HELPERS`` of its helpers),
 and a container outside any pod's cgroup is a pod of its own.
 
 The tenants have containerd's default capabilities and the real RuntimeDefault rules.
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from fuse_plugin.api import api_pb2 as api
-from fuse_plugin.broker import server
+from fuse_plugin.broker import shares
 from tests.lib import broker as broker_rig
 from tests.lib import oci, profiles, workloads
 from tests.lib.broker import BrokerProcess, Held, attack
@@ -72,14 +72,14 @@ def test_one_pods_silent_connections_leave_the_rest_of_the_node_served(
         shared: BrokerProcess, broker_allocation: api.ContainerAllocateResponse) -> None:
     pod = f"fuse-e2e-pod{uuid.uuid4().hex[:12]}"
     spec = tenant_spec(broker_allocation)
-    members_needed = server.PER_POD // server.PER_CONTAINER + 1
+    members_needed = shares.PER_POD // shares.PER_CONTAINER + 1
     with oci.Runc() as runc:
         members = [runc.create(spec, f"member{i}", pod=pod).start()
                    for i in range(members_needed)]
         outsider = runc.create(spec, "outsider").start()
         outsider.sh("mkdir -p /mnt/n").check()
-        holds = [Held(m, "silent", str(server.PER_CONTAINER), "--settle") for m in members]
-        assert sum(h.answer["held"] for h in holds) == server.PER_POD
+        holds = [Held(m, "silent", str(shares.PER_CONTAINER), "--settle") for m in members]
+        assert sum(h.answer["held"] for h in holds) == shares.PER_POD
         refusals = [message for h in holds for message in h.answer["refused"]]
         assert any("this pod has 16 requests open, its share" in m for m in refusals)
         answer = attack(outsider, "ask", "--fuse", "op=mount", "path=/mnt/n")

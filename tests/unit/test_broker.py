@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fuse_plugin.broker import mountinfo, policy, protocol, server
+from fuse_plugin.broker import mountinfo, policy, protocol, replies, scheduler, server, shares
 from fuse_plugin.broker.node import install_shim
 from fuse_plugin.broker.policy import Existing, Mark, MountOptions, Owner, Refused, Target
 from fuse_plugin.broker.records import Record, Records
@@ -452,7 +452,7 @@ def test_shim_reads_a_refusal_given_before_its_request_arrived(shim: Path,
                                 env={protocol.SOCKET_ENV: str(path)},
                                 stderr=subprocess.PIPE, text=True)
         conn, _ = fake.accept()
-        server._answer(conn, protocol.encode(status="error",
+        replies.answer(conn, protocol.encode(status="error",
                                              message="broker refused: busy"))
         _, err = proc.communicate(timeout=10)
     assert (proc.returncode, err) == (1, "fusermount3: broker refused: busy\n")
@@ -535,7 +535,7 @@ def test_shim_waits_for_a_restarting_broker_and_its_mount_is_then_served(
                 conn, _ = fake.accept()
                 with conn:
                     request = protocol.parse_request(conn.recv(protocol.MAX_MESSAGE))
-                    server._answer(conn, protocol.encode(status="ok", mount_id=7))
+                    replies.answer(conn, protocol.encode(status="ok", mount_id=7))
             _, fds, _flags, _addr = socket.recv_fds(ours, 1, 1)
         finally:
             status = _finish(proc)
@@ -572,7 +572,7 @@ def test_shim_asks_again_when_the_broker_went_away_without_reading_its_request(
             conn, _ = fake.accept()
             with conn:
                 request = protocol.parse_request(conn.recv(protocol.MAX_MESSAGE))
-                server._answer(conn, protocol.encode(status="ok", mount_id=7))
+                replies.answer(conn, protocol.encode(status="ok", mount_id=7))
     finally:
         status = _finish(proc)
     assert said == _waiting_line(path, "it closed the connection unread",
@@ -752,7 +752,7 @@ def test_a_caller_gets_its_share_of_connections_and_no_more(root: None, shim: Pa
     broker = broker_rig.BrokerProcess(tmp_path / "dir", tmp_path / "b", shim).start()
     held: list[socket.socket] = []
     try:
-        for _ in range(server.PER_CONTAINER):
+        for _ in range(shares.PER_CONTAINER):
             held.append(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))
             held[-1].connect(str(broker.socket))
         answers = []
@@ -761,7 +761,7 @@ def test_a_caller_gets_its_share_of_connections_and_no_more(root: None, shim: Pa
                 extra.connect(str(broker.socket))
                 answers.append(protocol.decode(extra.recv(protocol.MAX_MESSAGE)))
         assert {a["message"] for a in answers} == {
-            f"broker refused: this container has {server.PER_CONTAINER} requests open, "
+            f"broker refused: this container has {shares.PER_CONTAINER} requests open, "
             "the most it may; try again"}
         [line] = [e for e in broker.events("broker.refused") if e.get("kind") == "busy"]
         assert line["connections"] >= 1
@@ -802,7 +802,7 @@ def test_a_helper_past_its_deadline_is_killed_and_the_caller_told(
     (bin_dir / "fuse-broker-helper").write_text("#!/bin/sh\nexec sleep 600\n")
     for program in bin_dir.iterdir():
         program.chmod(0o755)
-    monkeypatch.setattr(server, "HELPER_DEADLINE", 0.3)
+    monkeypatch.setattr(scheduler, "HELPER_DEADLINE", 0.3)
     broker = Broker(BrokerSettings(directory=tmp_path / "dir", state=tmp_path / "state",
                                    lxcfs_dir=tmp_path / "lxcfs",
                                    shim=bin_dir / protocol.SHIM_NAME),

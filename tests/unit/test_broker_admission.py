@@ -22,7 +22,7 @@ import pytest
 from fuse_plugin.broker import caller as callers
 from fuse_plugin.broker import messages, protocol, server
 from fuse_plugin.broker.admission import Admission, Limits
-from fuse_plugin.broker.conversation import Conversation
+from fuse_plugin.broker.conversation import Conversation, State
 from fuse_plugin.broker.helper import Job
 from fuse_plugin.broker.policy import Refused
 from fuse_plugin.broker.records import Record, Records
@@ -230,7 +230,9 @@ def running(broker: Broker, said: list[dict[str, str]],
     work, theirs = mount_request(broker)
     job = StandInJob(said, deadline if deadline is not None else time.monotonic() + 5)
     work.job = cast("Job", job)
-    broker._running[work.container] = work
+    work.advance(State.QUEUED)
+    work.advance(State.RUNNING)
+    broker.helpers.running[work.container] = work
     return work, theirs, job
 
 
@@ -248,14 +250,14 @@ FACTS = {"status": "facts", "mount": "41", "fstype": "ext4", "mount_point": "/mn
 
 def refused_by_the_helper(broker: Broker, patch: pytest.MonkeyPatch) -> socket.socket:
     work, theirs, _ = running(broker, [{"status": "refused", "message": "no", "kind": "path"}])
-    broker._hear(work)
+    broker.requests.hear(work)
     return theirs
 
 
 def helper_died(broker: Broker, patch: pytest.MonkeyPatch) -> socket.socket:
     work, theirs, _ = running(broker, [MARK])
-    broker._hear(work)  # a step, then it is gone without a word
-    broker._exited(work)
+    broker.requests.hear(work)  # a step, then it is gone without a word
+    broker.requests.exited(work)
     return theirs
 
 
@@ -274,7 +276,8 @@ def broker_stopping(broker: Broker, patch: pytest.MonkeyPatch) -> socket.socket:
 def broker_stopping_while_queued(broker: Broker, patch: pytest.MonkeyPatch
                                  ) -> socket.socket:
     work, theirs = mount_request(broker)
-    broker._queued[work.container] = collections.deque([work])
+    work.advance(State.QUEUED)
+    broker.helpers.queued[work.container] = collections.deque([work])
     broker._close()
     return theirs
 
@@ -287,9 +290,9 @@ def caller_gone(broker: Broker, patch: pytest.MonkeyPatch) -> socket.socket:
     exited.wait()
     who = callers.Caller(pid=exited.pid, uid=0, gid=0, pidfd=-1, container=A)
     work = Conversation(ours, who, time.monotonic() + 5, ticket=broker.open.admit(A))
-    broker._waiting[ours.fileno()] = work
+    broker.requests._waiting[ours.fileno()] = work
     theirs.send(protocol.encode(v="2", op="mount", path="/mnt/x", fuse_fd="3"))
-    broker._receive(work)
+    broker.requests.receive(work)
     return theirs
 
 
@@ -299,8 +302,9 @@ def helper_cannot_start(broker: Broker, patch: pytest.MonkeyPatch) -> socket.soc
 
     patch.setattr(Job, "start", start)
     work, theirs = mount_request(broker)
-    broker._queued[work.container] = collections.deque([work])
-    broker._next(work.container)
+    work.advance(State.QUEUED)
+    broker.helpers.queued[work.container] = collections.deque([work])
+    broker.helpers.next(work.container)
     return theirs
 
 
@@ -333,11 +337,11 @@ def test_a_mount_done_turns_its_slot_into_its_record(loop: Broker, kernel: Kerne
     done = {"status": "ok", "mnt_id": "77", "dev": f"0:{connection}", "options": "rw"}
     work, theirs, job = running(loop, [MARK, FACTS, built, done])
     for _ in range(3):
-        loop._hear(work)
+        loop.requests.hear(work)
     # Recorded while still detached: the record has taken the slot, counted once.
     assert (loop.admission.in_flight, loop.admission.container(A)) == (0, 1)
     assert loop.records.owner(connection) is not None
-    loop._hear(work)
+    loop.requests.hear(work)
     assert answer(theirs) == "ok"
     assert [s.go for s in job.sent] == [True, True, True]
     assert (loop.admission.in_flight, loop.admission.container(A)) == (0, 1)
@@ -354,10 +358,12 @@ def test_an_unmount_done_counts_its_mount_no_more(loop: Broker, kernel: Kernel) 
     facts = {"status": "facts", "mount": "77", "fstype": "fuse", "dev": f"0:{connection}"}
     work.job = cast("Job", StandInJob([MARK, facts, {"status": "ok", "mnt_id": "77"}],
                                       time.monotonic() + 5))
-    loop._running[A] = work
-    loop._hear(work)
-    loop._hear(work)
+    work.advance(State.QUEUED)
+    work.advance(State.RUNNING)
+    loop.helpers.running[A] = work
+    loop.requests.hear(work)
+    loop.requests.hear(work)
     kernel.end(connection)  # what the helper's umount2 did
-    loop._hear(work)
+    loop.requests.hear(work)
     assert answer(theirs) == "ok"
-    assert (loop.admission.node(), loop.mounts_held) == (0, {})
+    assert (loop.admission.node(), loop.admission.mounts_held) == (0, {})

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from fuse_plugin.broker import caller as callers
-from fuse_plugin.broker import messages, protocol, server
-from fuse_plugin.broker.conversation import Conversation
+from fuse_plugin.broker import messages, protocol, replies, scheduler, server
+from fuse_plugin.broker.conversation import Conversation, State
 from fuse_plugin.broker.helper import Job
 from fuse_plugin.broker.server import Broker
 from fuse_plugin.broker.settings import BrokerSettings
@@ -144,12 +144,13 @@ def held(broker: Broker, container: str, path: str, waiting: bool = False
     work = Conversation(ours, who, time.monotonic() + 60)
     work.fields.update(cgroup=container, path=path)
     if waiting:
-        broker._waiting[ours.fileno()] = work
-        broker._receive(work)  # nothing to read: watched by the selector
+        broker.requests._waiting[ours.fileno()] = work
+        broker.requests.receive(work)  # nothing to read: watched by the selector
         return work, theirs
     work.parsed = protocol.Request(op="mount", path=path, fuse_fd=3)
     work.slot = broker.admission.admit(container)
-    broker._queued.setdefault(container, collections.deque()).append(work)
+    work.advance(State.QUEUED)
+    broker.helpers.queued.setdefault(container, collections.deque()).append(work)
     return work, theirs
 
 
@@ -165,14 +166,14 @@ def hold_everything(broker: Broker, helpers: dict[str, GatedHelper]
                (("a1", A), ("a2", A), ("b1", B), ("b2", B), ("c1", C))}
     w, clients["d"] = held(broker, D, "(none yet)", waiting=True)
     for container in (A, B, C):
-        broker._next(container)  # the first of each starts its helper
+        broker.helpers.next(container)  # the first of each starts its helper
     helpers["/mnt/b1"].say()  # B's helper reports its mark, then stalls
-    broker._hear(broker._running[B])
+    broker.requests.hear(broker.helpers.running[B])
     helpers["/mnt/c1"].say(2)  # C's is told to go on past the facts
-    broker._hear(broker._running[C])
-    broker._hear(broker._running[C])
-    assert broker._running[C].acting
-    assert not broker._running[B].acting
+    broker.requests.hear(broker.helpers.running[C])
+    broker.requests.hear(broker.helpers.running[C])
+    assert broker.helpers.running[C].acting
+    assert not broker.helpers.running[B].acting
     helpers["/mnt/a1"].say(4)  # A's have everything to say, once heard
     helpers["/mnt/a2"].say(4)
     queued = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -248,7 +249,7 @@ def test_the_drain_stops_accepting_serves_what_it_holds_and_refuses_the_rest_wit
     assert [name for name, h in helpers.items() if h.killed_at is not None] == ["/mnt/b1"]
     assert started == ["/mnt/a1", "/mnt/b1", "/mnt/c1", "/mnt/a2"]  # B's second: never
     assert (broker.admission.in_flight, broker.admission.node()) == (0, 3)
-    assert w.answered
+    assert w.state is State.ANSWERED
 
 
 def test_a_silent_connection_does_not_hold_the_drain(
@@ -278,7 +279,7 @@ def test_the_daemonsets_grace_period_covers_the_longest_drain() -> None:
     of its deadline; the kubelet's SIGKILL must come after both, with time to exit."""
     daemonset = one(MANIFESTS / "broker" / "broker-daemonset.yaml", "DaemonSet")
     grace = pod_spec(daemonset)["terminationGracePeriodSeconds"]
-    assert grace >= server.STOP_GRACE + server.HELPER_DEADLINE + 5
+    assert grace >= server.STOP_GRACE + scheduler.HELPER_DEADLINE + 5
 
 
 # -- the shim -----------------------------------------------------------------------------
@@ -318,7 +319,7 @@ def _serve_one(listener: socket.socket, **answer: object) -> protocol.Request:
     conn, _ = listener.accept()
     with conn:
         request = protocol.parse_request(conn.recv(protocol.MAX_MESSAGE))
-        server._answer(conn, protocol.encode(**answer))
+        replies.answer(conn, protocol.encode(**answer))
     return request
 
 

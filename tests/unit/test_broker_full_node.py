@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from fuse_plugin.broker import policy, protocol, server, shares
+from fuse_plugin.broker import policy, protocol, requests, server, shares
 from fuse_plugin.broker.server import Broker
 from fuse_plugin.broker.settings import BrokerSettings, add_flags
 from fuse_plugin.broker.shares import NodeCaps, OpenRequests
@@ -235,21 +235,21 @@ def test_every_end_of_a_request_gives_its_place_back(loop: Broker) -> None:
         pytest.skip("needs root: the broker reads the caller's /proc entries")
     refused = accepted(loop)
     refused.send(protocol.encode(v="2", op="mount", path="/proc/x", fuse_fd="3"))
-    loop._receive(loop._waiting[next(iter(loop._waiting))])
+    loop.requests.receive(loop.requests._waiting[next(iter(loop.requests._waiting))])
     assert "broker refused" in said(refused)
     assert len(loop.open) == 0
     dropped = accepted(loop)
     dropped.close()
-    loop._receive(loop._waiting[next(iter(loop._waiting))])
+    loop.requests.receive(loop.requests._waiting[next(iter(loop.requests._waiting))])
     assert len(loop.open) == 0
     silent = [accepted(loop) for _ in range(shares.PER_CONTAINER)]
     assert len(loop.open) == shares.PER_CONTAINER
     extra = accepted(loop)
     assert "this container has 4 requests open" in said(extra)
     assert len(loop.open) == shares.PER_CONTAINER
-    loop._expire(time.monotonic() + server.REQUEST_DEADLINE + 1)
+    loop._expire(time.monotonic() + requests.REQUEST_DEADLINE + 1)
     assert {said(s) for s in silent} == {
-        f"broker refused: no complete request within {server.REQUEST_DEADLINE:g}s"}
+        f"broker refused: no complete request within {requests.REQUEST_DEADLINE:g}s"}
     assert len(loop.open) == 0
     last = accepted(loop)
     loop._close()
@@ -264,7 +264,7 @@ def test_silent_connections_are_answered_at_their_own_deadlines(loop: Broker) ->
     if os.geteuid() != 0:
         pytest.skip("needs root: the broker reads the caller's /proc entries")
     socks = [accepted(loop) for _ in range(shares.PER_CONTAINER)]
-    deadlines = [w.deadline for w in loop._waiting.values()]
+    deadlines = [w.deadline for w in loop.requests._waiting.values()]
     assert deadlines == sorted(deadlines)
     assert loop._soonest() == [deadlines[0]]
     loop._expire(deadlines[1])

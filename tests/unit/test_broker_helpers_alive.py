@@ -18,8 +18,8 @@ from typing import Any, cast
 import pytest
 
 from fuse_plugin.broker import caller as callers
-from fuse_plugin.broker import protocol, server
-from fuse_plugin.broker.conversation import Conversation
+from fuse_plugin.broker import protocol, scheduler
+from fuse_plugin.broker.conversation import Conversation, State
 from fuse_plugin.broker.helper import Job
 from fuse_plugin.broker.server import Broker
 from fuse_plugin.broker.settings import BrokerSettings
@@ -63,13 +63,14 @@ def queue(loop: Broker, container: str) -> socket.socket:
     who = callers.Caller(pid=1, uid=0, gid=0, pidfd=-1, container=container)
     work = Conversation(ours, who, time.monotonic() + 5)
     work.parsed = protocol.Request(op="unmount", path="/mnt/x")
-    loop._queued.setdefault(container, collections.deque()).append(work)
+    work.advance(State.QUEUED)
+    loop.helpers.queued.setdefault(container, collections.deque()).append(work)
     return theirs
 
 
 def stuck(loop: Broker, container: str, killed_at: float) -> StandInJob:
     job = StandInJob(killed_at)
-    loop._exiting.append(server._Exiting(container, cast("Job", job)))  # what the loop uses
+    loop.helpers.exiting.append(scheduler.Exiting(container, cast("Job", job)))  # what it uses
     return job
 
 
@@ -83,21 +84,21 @@ def test_a_container_whose_helper_has_not_exited_waits_then_is_refused(
     now = time.monotonic()
     job = stuck(broker, "/pod/a", killed_at=now)
     caller_end = queue(broker, "/pod/a")
-    broker._next("/pod/a")
+    broker.helpers.next("/pod/a")
     assert STARTED == []
-    assert len(broker._queued["/pod/a"]) == 1  # waits: the helper is only just killed
-    job.killed_at = now - server.KILL_GRACE  # still alive past the grace: stuck
-    broker._next("/pod/a")
+    assert len(broker.helpers.queued["/pod/a"]) == 1  # waits: the helper is only just killed
+    job.killed_at = now - scheduler.KILL_GRACE  # still alive past the grace: stuck
+    broker.helpers.next("/pod/a")
     assert STARTED == []
     assert "last helper is blocked in the kernel" in answer(caller_end)
-    assert "/pod/a" not in broker._queued
+    assert "/pod/a" not in broker.helpers.queued
 
 
 def test_once_it_has_exited_the_container_gets_its_next_helper(broker: Broker) -> None:
     job = stuck(broker, "/pod/a", killed_at=time.monotonic())
     caller_end = queue(broker, "/pod/a")
     job.is_gone = True
-    broker._reap(broker._exiting[0])
+    broker.helpers.reap(broker.helpers.exiting[0])
     assert len(STARTED) == 1
     assert "cannot start fuse-broker-helper" in answer(caller_end)
 
@@ -109,7 +110,7 @@ def test_the_node_runs_at_most_its_cap_of_helpers_killed_ones_included(
     for n in range(broker.caps.helpers):
         stuck(broker, f"/pod/{n}", killed_at=time.monotonic())
     caller_end = queue(broker, "/pod/other")
-    broker._next("/pod/other")
+    broker.helpers.next("/pod/other")
     assert STARTED == []
     assert f"{broker.caps.helpers} helpers alive, 2 for each of --max-pods 110 pods" \
         in answer(caller_end)
@@ -127,18 +128,18 @@ def test_a_pods_requests_beyond_its_share_of_helpers_wait_for_its_own(
     first = stuck(broker, f"{POD}/a", killed_at=time.monotonic())
     stuck(broker, f"{POD}/b", killed_at=time.monotonic())
     waiting = queue(broker, f"{POD}/c")
-    broker._next(f"{POD}/c")
+    broker.helpers.next(f"{POD}/c")
     assert STARTED == []
-    assert len(broker._queued[f"{POD}/c"]) == 1
+    assert len(broker.helpers.queued[f"{POD}/c"]) == 1
     waiting.setblocking(False)
     with pytest.raises(BlockingIOError):  # no answer: it waits
         waiting.recv(protocol.MAX_MESSAGE)
     neighbour = queue(broker, f"{NEIGHBOUR}/a")
-    broker._next(f"{NEIGHBOUR}/a")
+    broker.helpers.next(f"{NEIGHBOUR}/a")
     assert len(STARTED) == 1
     assert "cannot start fuse-broker-helper" in answer(neighbour)
     first.is_gone = True
-    broker._reap(broker._exiting[0])
+    broker.helpers.reap(broker.helpers.exiting[0])
     assert len(STARTED) == 2
     assert "cannot start fuse-broker-helper" in answer(waiting)
-    assert f"{POD}/c" not in broker._queued
+    assert f"{POD}/c" not in broker.helpers.queued
