@@ -49,7 +49,7 @@ from tests.cluster.kube import (
     wait_allocatable,
     write_json,
 )
-from tests.cluster.test_cluster_dra import DRIVER_DS, driver_overlay
+from tests.cluster.test_cluster_dra import DRIVER_DS, driver_overlay, prepare_waits
 from tests.kubelet.node import wait_for
 from tests.lib.background import Repeating
 
@@ -194,7 +194,11 @@ def burst(api: Api, image: str, mode: str, count: int) -> dict[str, Any]:
         starts[name.split("-")[0]].append(float(msg) - posted[name])
     fuse, plain = summary(starts["fuse"]), summary(starts["plain"])
     by_claim = sum(bool(p["status"].get("extendedResourceClaimStatus")) for p in done)
+    # A prepare the kubelet retried delays its pod by the retry's back-off: whose it was.
+    driver, lag = prepare_waits(api, NS, [p["metadata"]["name"] for p in done])
     return {"fuse": fuse, "plain": plain, "failed": failed, "by_dra_claim": by_claim,
+            "prepare_retried": {"driver": len(driver), "authorizer_lag": len(lag),
+                                "first": (driver + lag)[:3]},
             "ratio_p50": round(fuse["median_ms"] / plain["median_ms"], 3),
             "ratio_p99": round(fuse["p99_ms"] / plain["p99_ms"], 3),
             "components": usage.figures()}
