@@ -7,16 +7,17 @@ Run from the repository root, as root, with the cluster stage's caches in place
     .venv/bin/python -m bench.pod_start             # 40 + 40 pods in each mode
     .venv/bin/python -m bench.pod_start --pods 4    # a quick look
 
-For each mode the manifests are applied as the README deploys them (``manifests/``;
-with ``components: [broker]``; with the DRA component and the plugin's DaemonSet
-deleted), then ``--pods`` FUSE pods and as many without FUSE are created at once,
-alternately, through the API. Both kinds run the rootless-build example's image and the
-same script; a FUSE pod asks for ``github.com/fuse: 1`` and mounts fuse-overlayfs
-before it writes the time (default mode and DRA: CAP_SYS_ADMIN; broker mode: no
-capability, the mount made by the broker through the shim), a plain pod writes the time
-at once. A pod's figure is that time minus its POST's. Over the burst, the CPU time
-and the largest RSS of the broker's and the driver's (and the plugin's) pod cgroups.
-Prints a table; writes JSON (``bench/results/pod_start.json`` or ``--out``). No
+For each mode the manifests are applied as the README deploys them (``manifests/``; with
+``components: [broker]``; with the DRA component and the plugin's DaemonSet deleted;
+``dra-claim``: the same, its FUSE pods naming a ResourceClaimTemplate of the FUSE class
+instead of the extended resource), then ``--pods`` FUSE pods and as many without FUSE
+are created at once, alternately, through the API. Both kinds run the rootless-build
+example's image and the same script; a FUSE pod asks for ``github.com/fuse: 1`` and
+mounts fuse-overlayfs before it writes the time (default mode and DRA: CAP_SYS_ADMIN;
+broker mode: no capability, the mount made by the broker through the shim), a plain pod
+writes the time at once. A pod's figure is that time minus its POST's. Over the burst,
+the CPU time and the largest RSS of the broker's and the driver's (and the plugin's) pod
+cgroups. Prints a table; writes JSON (``bench/results/pod_start.json`` or ``--out``). No
 targets: the figures are in bench/README.md.
 """
 
@@ -56,7 +57,15 @@ from tests.lib.background import Repeating
 RESULTS = Path(__file__).parent / "results" / "pod_start.json"
 SETUP = Path(__file__).resolve().parents[1] / "tests" / "cluster" / "setup.sh"
 NS = "fdp-bench-pod-start"
-MODES = ("default", "broker", "dra")
+MODES = ("default", "broker", "dra", "dra-claim")
+DRA_MODES = ("dra", "dra-claim")
+# dra-claim's pods name a ResourceClaimTemplate of the FUSE class instead of the extended
+# resource: their claims exist before they are scheduled.
+CLAIM_TEMPLATE = {
+    "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+    "metadata": {"name": "fuse", "namespace": NS},
+    "spec": {"spec": {"devices": {"requests": [
+        {"name": "fuse", "exactly": {"deviceClassName": "fuse.fuse-device-plugin.github.com"}}]}}}}
 BROKER_DS = "fuse-mount-broker"
 # The component pods whose cgroups are read over the burst, by their label.
 COMPONENTS = {"plugin": "app.kubernetes.io/component=device-plugin",
@@ -76,12 +85,12 @@ def overlay(tmp: Path, mode: str, image: str) -> Path:
         k = json.loads((base / "kustomization.yaml").read_text())
         k["components"] = [*k.get("components", []), "broker"]
         write_json(base / "kustomization.yaml", k)
-    return driver_overlay(base, image) if mode == "dra" else base
+    return driver_overlay(base, image) if mode in DRA_MODES else base
 
 
 def deploy(kubectl: Kubectl, api: Api, mode: str, tmp: Path, image: str) -> None:
     kubectl(*APPLY, "-k", str(overlay(tmp / mode, mode, image)))
-    if mode == "dra":
+    if mode in DRA_MODES:
         # The component deletes it itself; a plugin left from before goes too.
         kubectl("-n", PLUGIN_NS, "delete", "daemonset", PLUGIN_DS, "--ignore-not-found",
                 "--wait=true")
@@ -106,15 +115,20 @@ def pod(name: str, image: str, mode: str, fuse: bool) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": "c", "image": image, "imagePullPolicy": "IfNotPresent",
         "command": ["/bin/sh", "-c", (MOUNT if fuse else "") + STAMP]}
-    if fuse:
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never", "automountServiceAccountToken": False,
+        "enableServiceLinks": False, "terminationGracePeriodSeconds": 1,
+        "containers": [container]}
+    if fuse and mode == "dra-claim":
+        container["resources"] = {"claims": [{"name": "fuse"}]}
+        spec["resourceClaims"] = [{"name": "fuse", "resourceClaimTemplateName": "fuse"}]
+    elif fuse:
         container["resources"] = {"limits": {RESOURCE: "1"}}
-        if mode != "broker":
-            container["securityContext"] = {"capabilities": {"add": ["SYS_ADMIN"]}}
+    if fuse and mode != "broker":
+        container["securityContext"] = {"capabilities": {"add": ["SYS_ADMIN"]}}
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": NS, "labels": {"fuse": str(fuse).lower()}},
-            "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False,
-                     "enableServiceLinks": False, "terminationGracePeriodSeconds": 1,
-                     "containers": [container]}}
+            "spec": spec}
 
 
 def pod_cgroup(uid: str, controller: str) -> Path | None:
@@ -169,6 +183,9 @@ def burst(api: Api, image: str, mode: str, count: int) -> dict[str, Any]:
     start (its written time minus its POST's), by kind."""
     api.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
                                                 "metadata": {"name": NS}})
+    if mode == "dra-claim":
+        api.request("POST", f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaimtemplates",
+                    CLAIM_TEMPLATE)
     posted: dict[str, float] = {}
     with Usage(api) as usage:
         for i in range(count):
@@ -193,7 +210,8 @@ def burst(api: Api, image: str, mode: str, count: int) -> dict[str, Any]:
         msg = p["status"]["containerStatuses"][0]["state"]["terminated"]["message"]
         starts[name.split("-")[0]].append(float(msg) - posted[name])
     fuse, plain = summary(starts["fuse"]), summary(starts["plain"])
-    by_claim = sum(bool(p["status"].get("extendedResourceClaimStatus")) for p in done)
+    by_claim = sum(bool(p["status"].get("extendedResourceClaimStatus")
+                        or p["status"].get("resourceClaimStatuses")) for p in done)
     # A prepare the kubelet retried delays its pod by the retry's back-off: whose it was.
     driver, lag = prepare_waits(api, NS, [p["metadata"]["name"] for p in done])
     return {"fuse": fuse, "plain": plain, "failed": failed, "by_dra_claim": by_claim,

@@ -17,7 +17,8 @@ from tests.kubelet.node import skip_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 # What each mode runs beside the pods: the plugin, the broker with it, the driver alone.
-COMPONENTS = {"default": {"plugin"}, "broker": {"plugin", "broker"}, "dra": {"driver"}}
+COMPONENTS = {"default": {"plugin"}, "broker": {"plugin", "broker"}, "dra": {"driver"},
+              "dra-claim": {"driver"}}
 
 
 def test_pod_start_benchmark_reports_every_figure_in_every_mode(tmp_path: Path) -> None:
