@@ -37,6 +37,8 @@ PLUGIN_TYPE = "DRAPlugin"
 # The kubelet picks the DRA API by this gRPC service name (its DRAPluginService constant).
 SUPPORTED_VERSIONS = ("v1.DRAPlugin",)
 WORKERS = 8
+# How long calls in flight at SIGTERM may finish (within the DaemonSet's 10 s grace).
+STOP_GRACE = 5.0
 
 
 class Registered:
@@ -198,9 +200,12 @@ class Sockets:
                    registration=str(self.registration))
 
     def stop(self) -> None:
-        """Stop serving and remove both sockets: the kubelet's plugin watcher sees the
-        registration socket go and deregisters us."""
-        self._server.stop(grace=None).wait()
+        """Deregister, then stop serving. The registration socket goes first: the
+        kubelet's plugin watcher deregisters us and sends its next calls to another
+        instance (a rolling update's new pod). Calls already here are then finished, up
+        to STOP_GRACE, not cancelled: stopping at once cancelled a Prepare the kubelet
+        had just sent, and that pod waited for the kubelet's retry."""
+        self.registration.unlink(missing_ok=True)
+        self._server.stop(grace=STOP_GRACE).wait()
         self._executor.shutdown(wait=True)
-        for path in (self.registration, self.service):
-            path.unlink(missing_ok=True)
+        self.service.unlink(missing_ok=True)

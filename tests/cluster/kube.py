@@ -334,12 +334,11 @@ class PodEverySecond(Repeating):
             done = {n: {**p["status"], "nodeName": p["spec"].get("nodeName")}
                     for n, p in pods.items()
                     if p["status"].get("phase") in ("Succeeded", "Failed")}
+            self.created = {n: p["metadata"]["creationTimestamp"] for n, p in pods.items()}
             return done if set(self.names) <= set(done) else None
         found: dict[str, dict[str, Any]] = wait_for(
             ended, 180, f"the {len(self.names)} rollout pods to end", interval=1,
             detail=lambda: "\n".join(pod_summary(p) for p in self.api.pods(self.namespace)))
-        self.created = {p["metadata"]["name"]: p["metadata"]["creationTimestamp"]
-                        for p in self.api.pods(self.namespace)}
         self.ended = found
         return found
 
