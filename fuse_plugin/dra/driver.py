@@ -32,6 +32,7 @@ from fuse_plugin.dra.metrics import DraStats, State, exposition
 from fuse_plugin.dra.prepare import Preparer
 from fuse_plugin.dra.service import (
     DraServicer,
+    InFlight,
     Registered,
     RegistrationServicer,
     Sockets,
@@ -199,7 +200,7 @@ def assembled(settings: DraSettings, log: logging.Logger, claims: ClaimSource,
         registered = Registered()
         stats = DraStats()
         sockets = Sockets(settings.service_socket, settings.registration_socket,
-                          DraServicer(preparer, stats, log),
+                          DraServicer(preparer, stats, InFlight(log), log),
                           RegistrationServicer(settings.driver_name, settings.service_socket,
                                                registered, log), log)
         publisher = None

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -37,8 +38,11 @@ PLUGIN_TYPE = "DRAPlugin"
 # The kubelet picks the DRA API by this gRPC service name (its DRAPluginService constant).
 SUPPORTED_VERSIONS = ("v1.DRAPlugin",)
 WORKERS = 8
-# How long calls in flight at SIGTERM may finish (within the DaemonSet's 10 s grace).
-STOP_GRACE = 5.0
+# At SIGTERM: how long calls in flight may finish while we are still registered, then how
+# long a call that arrives before the kubelet has deregistered us may; together within the
+# DaemonSet's 10 s grace.
+DRAIN_WAIT = 6.0
+STOP_GRACE = 2.0
 
 
 class Registered:
@@ -52,6 +56,44 @@ class Registered:
     def set(self, registered: bool, error: str) -> None:
         with self._lock:
             self.registered, self.error = registered, error
+
+
+class InFlight:
+    """The kubelet's calls being served, so a stopping driver can wait for them to end.
+
+    Why it matters: the kubelet closes its connection to a driver the moment it
+    deregisters it (``DRAPluginManager.remove``), which cuts every call in flight, and
+    the pod whose Prepare was cut waits 10-15 s for the kubelet's retry. So a stopping
+    driver finishes its calls before it removes its registration socket."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self._cond = threading.Condition()
+        self._count = 0
+        self._stopping = False
+        self._log = log
+
+    @contextlib.contextmanager
+    def call(self, method: str) -> Iterator[None]:
+        with self._cond:
+            self._count += 1
+            if self._stopping:
+                logs.event(self._log, "call.while_stopping", method=method)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._count -= 1
+                self._cond.notify_all()
+
+    def drain(self, timeout: float) -> int:
+        """Mark the driver stopping and wait up to ``timeout`` for no call to be in
+        flight; the number still in flight (0 when drained)."""
+        with self._cond:
+            self._stopping = True
+            if self._count:
+                logs.event(self._log, "calls.draining", in_flight=self._count)
+            self._cond.wait_for(lambda: self._count == 0, timeout)
+            return self._count
 
 
 class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
@@ -80,17 +122,20 @@ class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
 
 
 class DraServicer(dra_pb2_grpc.DRAPluginServicer):
-    def __init__(self, preparer: Preparer, stats: DraStats, log: logging.Logger) -> None:
+    def __init__(self, preparer: Preparer, stats: DraStats, calls: InFlight,
+                 log: logging.Logger) -> None:
         self._preparer = preparer
         self._stats = stats
+        self.calls = calls
         self._log = log
 
     def NodePrepareResources(self, request: dra.NodePrepareResourcesRequest,
                              context: grpc.ServicerContext
                              ) -> dra.NodePrepareResourcesResponse:
         response = dra.NodePrepareResourcesResponse()
-        for claim in request.claims:
-            response.claims[claim.uid].CopyFrom(self._prepare_one(claim))
+        with self.calls.call("NodePrepareResources"):
+            for claim in request.claims:
+                response.claims[claim.uid].CopyFrom(self._prepare_one(claim))
         return response
 
     def _prepare_one(self, claim: dra.Claim) -> dra.NodePrepareResourceResponse:
@@ -130,19 +175,24 @@ class DraServicer(dra_pb2_grpc.DRAPluginServicer):
                                context: grpc.ServicerContext
                                ) -> dra.NodeUnprepareResourcesResponse:
         response = dra.NodeUnprepareResourcesResponse()
-        for claim in request.claims:
-            entry = response.claims[claim.uid]  # present even when empty, as required
-            start = time.monotonic()
-            try:
-                self._preparer.unprepare(claim.uid)
-            except ClaimError as err:
-                logs.event(self._log, "claim.unprepare_failed", logging.WARNING,
-                           claim=f"{claim.namespace}/{claim.name}", uid=claim.uid,
-                           error=str(err))
-                entry.error = str(err)
-            self._stats.observe("unprepare", "failed" if entry.error else "unprepared",
-                                time.monotonic() - start)
+        with self.calls.call("NodeUnprepareResources"):
+            for claim in request.claims:
+                self._unprepare_one(claim, response.claims[claim.uid])
         return response
+
+    def _unprepare_one(self, claim: dra.Claim, entry: dra.NodeUnprepareResourceResponse
+                       ) -> None:
+        """``entry`` is present in the response even when empty, as required."""
+        start = time.monotonic()
+        try:
+            self._preparer.unprepare(claim.uid)
+        except ClaimError as err:
+            logs.event(self._log, "claim.unprepare_failed", logging.WARNING,
+                       claim=f"{claim.namespace}/{claim.name}", uid=claim.uid,
+                       error=str(err))
+            entry.error = str(err)
+        self._stats.observe("unprepare", "failed" if entry.error else "unprepared",
+                            time.monotonic() - start)
 
 
 def _clear_stale(path: Path, log: logging.Logger) -> None:
@@ -172,6 +222,7 @@ class Sockets:
                  reg_servicer: RegistrationServicer, log: logging.Logger) -> None:
         self.service = service
         self.registration = registration
+        self._calls = dra_servicer.calls
         self._log = log
         self._executor = concurrent.futures.ThreadPoolExecutor(WORKERS,
                                                                thread_name_prefix="dra")
@@ -200,11 +251,16 @@ class Sockets:
                    registration=str(self.registration))
 
     def stop(self) -> None:
-        """Deregister, then stop serving. The registration socket goes first: the
-        kubelet's plugin watcher deregisters us and sends its next calls to another
-        instance (a rolling update's new pod). Calls already here are then finished, up
-        to STOP_GRACE, not cancelled: stopping at once cancelled a Prepare the kubelet
-        had just sent, and that pod waited for the kubelet's retry."""
+        """Finish the calls in flight, deregister, then stop serving.
+
+        In a rolling update the kubelet already sends new calls to the new pod (the
+        newest connected registration), so the calls here end and no new ones come. Only
+        then does the registration socket go: the kubelet's plugin watcher deregisters
+        us and closes its connection at once, cutting whatever it had sent us. A call
+        that still arrives (we were the only instance) gets STOP_GRACE."""
+        left = self._calls.drain(DRAIN_WAIT)
+        logs.event(self._log, "calls.drained" if not left else "calls.left",
+                   logging.INFO if not left else logging.WARNING, in_flight=left)
         self.registration.unlink(missing_ok=True)
         self._server.stop(grace=STOP_GRACE).wait()
         self._executor.shutdown(wait=True)

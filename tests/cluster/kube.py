@@ -10,6 +10,8 @@ import json
 import re
 import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +42,8 @@ EVIDENCE = LOGDIR / "evidence.txt"
 APPLY = ("apply",)
 # The plugin's environment twin of --slots (README, `serve` flags).
 SLOTS_ENV = "FUSE_DEVICE_PLUGIN_SLOTS"
+# How long a followed pod's `kubectl logs -f` may take to end once the pod has gone.
+FOLLOW_END = 30
 
 
 def evidence(scenario: str, *lines: str) -> str:
@@ -434,18 +438,56 @@ class PluginPodsSampler(Repeating):
         return seen
 
 
+class FollowedLogs:
+    """`kubectl logs -f` of a DaemonSet's pods as they are when entered, to their end:
+    what the old pods of a rollout said while they stopped (their logs go with them)."""
+
+    def __init__(self, kubectl: Kubectl, api: Api, selector: str) -> None:
+        self.kubectl, self.api, self.selector = kubectl, api, selector
+        self._dir = Path(tempfile.mkdtemp(prefix="fdp-logs-"))
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.logs: dict[str, str] = {}
+
+    def __enter__(self) -> FollowedLogs:
+        for pod in self.api.pods(PLUGIN_NS, self.selector):
+            name = pod["metadata"]["name"]
+            with open(self._dir / name, "wb") as out:
+                self._procs[name] = subprocess.Popen(
+                    [self.kubectl.binary, f"--kubeconfig={self.kubectl.kubeconfig}", "-n",
+                     PLUGIN_NS, "logs", "-f", "--tail=5", name],
+                    stdout=out, stderr=subprocess.STDOUT)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, proc in self._procs.items():
+            try:
+                proc.wait(FOLLOW_END)  # the pod is gone: its stream ends
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            self.logs[name] = (self._dir / name).read_text(errors="replace")
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def lines(self, *words: str) -> list[str]:
+        """The followed pods' lines that hold one of ``words``, each after its pod's name."""
+        return [f"{name}: {line}" for name, text in self.logs.items()
+                for line in text.splitlines() if any(w in line for w in words)]
+
+
 class Restarted(NamedTuple):
     status: str  # `kubectl rollout status`'s last line
     new: dict[str, dict[str, Any]]  # the DaemonSet's Ready pod on each node, after
     took: float  # seconds from `rollout restart` to a new Ready pod on each node
     sampler: PluginPodsSampler  # the DaemonSet's pods per node through it
+    old: FollowedLogs  # what the replaced pods logged to their end
 
 
 def restart_with_pods(kubectl: Kubectl, api: Api, stream: PodEverySecond, ds: str,
                       selector: str) -> Restarted:
     """`kubectl rollout restart` of the DaemonSet ``ds`` (pods ``selector``) while
     ``stream`` creates a pod every second: three before it, through it, three after."""
-    with stream, PluginPodsSampler(api, selector) as sampler:
+    with stream, PluginPodsSampler(api, selector) as sampler, \
+            FollowedLogs(kubectl, api, selector) as old:
         wait_for(lambda: len(stream.names) >= 3, 30, "three pods before the rollout")
         began = time.monotonic()
         kubectl("-n", PLUGIN_NS, "rollout", "restart", f"daemonset/{ds}")
@@ -454,4 +496,4 @@ def restart_with_pods(kubectl: Kubectl, api: Api, stream: PodEverySecond, ds: st
         took = time.monotonic() - began
         after = len(stream.names) + 3
         wait_for(lambda: len(stream.names) >= after, 30, "three pods after the rollout")
-    return Restarted(status, new, took, sampler)
+    return Restarted(status, new, took, sampler, old)

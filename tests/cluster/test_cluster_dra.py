@@ -626,6 +626,8 @@ def test_a_sigkilled_driver_keeps_prepared_claims_and_removes_orphans(
 # the pod's status is refused once ("no relationship found between node ...") and
 # retries. Not the driver's doing, and the pod starts.
 AUTHORIZER_LAG = "no relationship found between node"
+# The driver's log events of its stop: calls finished, left, or come while it stopped.
+DRAIN_WORDS = ("signal", "calls.", "call.while_stopping")
 ROLLOUT_NS = "fdp-e2e-dra-rollout"
 
 
@@ -651,12 +653,6 @@ def rollout_outcome(ended: dict[str, dict[str, Any]]) -> tuple[dict[str, str], l
                           if not st.get("extendedResourceClaimStatus"))
 
 
-@pytest.mark.xfail(reason=(
-    "known, open (issue 35): a DRA driver rollout sometimes makes a pod wait for the kubelet's "
-    "retry: in 11 single-node runs after the driver's stop was changed to deregister first and "
-    "finish calls in flight, one run had Prepares cut by the old driver's closing transport "
-    "('error reading from server'); before that change 2 of 5 runs had Prepares cancelled "
-    "('Cancelling all calls'). Every pod still Succeeded in every run"), strict=False)
 def test_driver_rollout_serves_every_new_pod_without_waiting_for_registration(
     *, dra_deployed: dict[str, Any], kubectl: Kubectl, api: Api, images: dict[str, str]
 ) -> None:
@@ -668,8 +664,8 @@ def test_driver_rollout_serves_every_new_pod_without_waiting_for_registration(
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ROLLOUT_NS}}))
     try:
         stream = PodEverySecond(api, images["WORKLOAD_IMAGE"], ROLLOUT_NS)
-        status, _, took, sampler = restart_with_pods(kubectl, api, stream, DRIVER_DS,
-                                                     DRIVER_SELECTOR)
+        status, _, took, sampler, followed = restart_with_pods(
+            kubectl, api, stream, DRIVER_DS, DRIVER_SELECTOR)
         failed, not_dra = rollout_outcome(stream.phases())
         waited, lag = prepare_waits(api, ROLLOUT_NS, stream.names)
         proof = evidence(
@@ -680,7 +676,8 @@ def test_driver_rollout_serves_every_new_pod_without_waiting_for_registration(
             stream.longest_wait(),
             f"not served through a DRA claim: {not_dra}",
             f"FailedPrepareDynamicResources events: {len(waited)}", *waited[:3],
-            f"the node authorizer's lag (retried by the kubelet): {len(lag)}", *lag[:3])
+            f"the node authorizer's lag (retried by the kubelet): {len(lag)}", *lag[:3],
+            "the old driver's stop:", *followed.lines(*DRAIN_WORDS))
         assert "successfully rolled out" in status, proof
         assert sampler.replaced(), proof
         assert not stream.errors, proof

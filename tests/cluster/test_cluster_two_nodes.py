@@ -56,6 +56,7 @@ from tests.cluster.test_cluster_broker import (
     edit_add_component,
 )
 from tests.cluster.test_cluster_dra import (
+    DRAIN_WORDS,
     DRIVER,
     DRIVER_DS,
     DRIVER_SELECTOR,
@@ -210,8 +211,8 @@ def test_rollout_goes_node_by_node_and_rejects_no_fuse_pod(
     old = {n: p["metadata"]["uid"] for n, p in deployed.items()}
     try:
         stream = PodEverySecond(api, images["WORKLOAD_IMAGE"], ROLL_NS)
-        status, new, took, sampler = restart_with_pods(kubectl, api, stream, PLUGIN_DS,
-                                                       PLUGIN_SELECTOR)
+        status, new, took, sampler, _ = restart_with_pods(kubectl, api, stream, PLUGIN_DS,
+                                                          PLUGIN_SELECTOR)
         ended = stream.phases()
         line = wait_slots(api, DEFAULT_SLOTS)
         rejected = {n: st.get("message", "") for n, st in ended.items()
@@ -413,8 +414,8 @@ def test_broker_rollout_goes_node_by_node_and_fails_no_mount(
 
     try:
         stream = PodEverySecond(api, "", BROKER_NS, make)
-        status, new, took, sampler = restart_with_pods(kubectl, api, stream, BROKER_DS,
-                                                       BROKER_SELECTOR)
+        status, new, took, sampler, _ = restart_with_pods(kubectl, api, stream, BROKER_DS,
+                                                          BROKER_SELECTOR)
         ended = stream.phases()
         logs = {n: kubectl.run("-n", BROKER_NS, "logs", n, check=False).stdout
                 for n in ended}
@@ -486,12 +487,6 @@ def test_each_nodes_dra_driver_publishes_its_own_slice(
 DRA_ROLL_NS = "fdp-e2e-two-dra-rollout"
 
 
-@pytest.mark.xfail(reason=(
-    "known, open (issue 35): a DRA driver rollout sometimes makes a pod wait for the kubelet's "
-    "retry: in 11 single-node runs after the driver's stop was changed to deregister first and "
-    "finish calls in flight, one run had Prepares cut by the old driver's closing transport "
-    "('error reading from server'); before that change 2 of 5 runs had Prepares cancelled "
-    "('Cancelling all calls'). Every pod still Succeeded in every run"), strict=False)
 def test_driver_rollout_goes_node_by_node_and_fails_no_pod(
         dra_on_both: dict[str, dict[str, Any]], kubectl: Kubectl, api: Api,
         images: dict[str, str]) -> None:
@@ -506,8 +501,8 @@ def test_driver_rollout_goes_node_by_node_and_fails_no_pod(
     try:
         stream = PodEverySecond(api, "", DRA_ROLL_NS, lambda name: taking_turns(
             device_check_pod(name, images["WORKLOAD_IMAGE"], DRA_ROLL_NS)))
-        status, new, took, sampler = restart_with_pods(kubectl, api, stream, DRIVER_DS,
-                                                       DRIVER_SELECTOR)
+        status, new, took, sampler, followed = restart_with_pods(
+            kubectl, api, stream, DRIVER_DS, DRIVER_SELECTOR)
         ended = stream.phases()
         failed, not_dra = rollout_outcome(ended)
         waited, lag = prepare_waits(api, DRA_ROLL_NS, stream.names)
@@ -521,7 +516,8 @@ def test_driver_rollout_goes_node_by_node_and_fails_no_pod(
             f"not served through a DRA claim: {not_dra}",
             f"FailedPrepareDynamicResources events: {len(waited)}", *waited[:3],
             f"the node authorizer's lag (retried by the kubelet): {len(lag)}", *lag[:3],
-            *stream.errors, stream.longest_wait())
+            *stream.errors, stream.longest_wait(),
+            "the old drivers' stop:", *followed.lines(*DRAIN_WORDS))
         assert "successfully rolled out" in status, proof
         assert all(new[n]["metadata"]["uid"] != old[n] for n in NODES), proof
         assert sorted(sampler.replaced()) == sorted(NODES), proof

@@ -29,6 +29,8 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 RESOURCE = "/apis/resource.k8s.io/v1"
+# A held request is answered after this even when its test never releases it.
+HOLD_LIMIT = 60.0
 SLICES = f"{RESOURCE}/resourceslices"
 
 
@@ -43,6 +45,8 @@ class FakeApiServer:
         self.watches = 0  # watch requests answered
         self.drop_fields: set[str] = set()
         self.fail: dict[str, int] = {}  # "GET node" / "list slices" / ... -> HTTP code
+        # "GET claim" / ... -> an event the request waits for before it is answered
+        self.hold: dict[str, threading.Event] = {}
         self._version = 0
         self._closing = False
         self._cond = threading.Condition()
@@ -193,9 +197,14 @@ class FakeApiServer:
 
             def _route(self, method: str) -> None:
                 parts = urlsplit(self.path)
+                kind = _kind(method, parts.path)
                 with server._cond:
                     server.requests.append((method, self.path))
-                    kind = _kind(method, parts.path)
+                    server._cond.notify_all()
+                    gate = server.hold.get(kind)
+                if gate is not None:
+                    gate.wait(HOLD_LIMIT)
+                with server._cond:
                     code = server.fail.get(kind)
                     if code is not None:
                         self._status(code, f"injected failure for {kind}")

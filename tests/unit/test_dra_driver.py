@@ -4,9 +4,12 @@ claims, refusals with their messages, idempotence, and the CDI specs on disk."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import logging
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +18,7 @@ from typing import Any
 import jsonschema  # type: ignore[import-untyped]
 import pytest
 
+from fuse_plugin import logs
 from fuse_plugin.allocation import broker_binds
 from fuse_plugin.broker import protocol
 from fuse_plugin.dra.settings import DRIVER_NAME
@@ -299,3 +303,52 @@ def test_probes_say_alive_and_ready_with_the_reason(api: FakeApiServer) -> None:
         status, reason = probe(port, "/healthz")
         assert status == 503
         assert reason.endswith("is gone")
+
+
+class Events(logging.Handler):
+    """The driver's event names, each with whether its registration socket still existed
+    when it was logged."""
+
+    def __init__(self, registration: Path) -> None:
+        super().__init__()
+        self.registration = registration
+        self.seen: list[tuple[str, bool]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append((record.getMessage(), self.registration.exists()))
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.seen]
+
+
+def test_a_stopping_driver_finishes_its_calls_before_it_deregisters(
+        api: FakeApiServer) -> None:
+    """The kubelet cuts every call in flight when it deregisters a driver (it closes its
+    connection), so the registration socket must outlive the calls: a Prepare waiting on
+    the API server at SIGTERM is answered, and one that arrives meanwhile too."""
+    log = logs.setup("text", "debug")
+    with running_driver(api, publish=False, log=log) as rig:
+        events = Events(rig.settings.registration_socket)
+        log.addHandler(events)
+        try:
+            slow, late = add_claim(api, "slow"), add_claim(api, "late")
+            release = threading.Event()
+            api.hold["GET claim"] = release
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                first = pool.submit(rig.kubelet.prepare, slow)
+                wait_for(lambda: any(slow[1] in path for _, path in api.requests), 10,
+                         "the driver to ask the API server for the claim")
+                stopping = pool.submit(rig.driver.sockets.stop)
+                wait_for(lambda: "calls.draining" in events.names(), 10, "the drain")
+                second = pool.submit(rig.kubelet.prepare, late)
+                wait_for(lambda: "call.while_stopping" in events.names(), 10,
+                         "the call that arrived while stopping")
+                assert rig.settings.registration_socket.exists()
+                release.set()
+                assert not first.result(30).claims[slow[2]].error
+                assert not second.result(30).claims[late[2]].error
+                stopping.result(30)
+        finally:
+            log.removeHandler(events)
+    assert dict(events.seen)["calls.drained"] is True  # logged before the socket went
+    assert not rig.settings.registration_socket.exists()
