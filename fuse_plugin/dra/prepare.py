@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 from fuse_plugin import cdi, devices, files, logs, names
@@ -118,12 +119,14 @@ class Preparer:
             return self._prepare_anew(namespace, name, uid), False
 
     def _prepare_anew(self, namespace: str, name: str, uid: str) -> list[Prepared]:
+        began = time.monotonic()
         try:
             found = allocation(self._source.get(namespace, name), self.driver, uid)
         except (AttributeError, TypeError, KeyError, ValueError) as err:
             # The API server validates claims; this is a claim it did not write.
             raise ClaimError(f"claim {namespace}/{name}: malformed allocation "
                              f"({type(err).__name__}: {err})") from None
+        read = time.monotonic() - began
         mode = found.mode or self.node_mode()
         self._check_node(mode, f"{namespace}/{name}")
         record = Record(uid=uid, namespace=namespace, name=name, mode=mode,
@@ -141,7 +144,8 @@ class Preparer:
             self._records[uid] = record
         logs.event(self._log, "claim.prepared", claim=f"{namespace}/{name}", uid=uid,
                    mode=mode, chosen_by="claim" if found.mode else "node", spec=str(path),
-                   devices=[d.device for d in found.devices])
+                   devices=[d.device for d in found.devices], read_seconds=round(read, 3),
+                   seconds=round(time.monotonic() - began, 3))
         return list(record.devices)
 
     def _answer(self, found: Allocation, uid: str) -> list[Prepared]:

@@ -55,6 +55,11 @@ IMAGES_ENV = nodemod.CACHE / "cluster" / "images" / "images.env"
 
 NODE_NAME = "fdp-cluster-node"
 BRIDGE = "fdpbr0"
+# A bridge without an address of its own takes its ports' lowest MAC and changes it as
+# pods' veths come and go; every pod's ARP entry for the node is then stale, and a pod's
+# traffic to the node (the API server) stalls for seconds. CNI's bridge plugin fixes the
+# bridge's MAC the same way. Locally administered; the second node's ends in 02.
+BRIDGE_MAC = "02:fd:70:00:00:01"
 NODE_IP = "10.244.77.1"
 POD_SUBNET = "10.244.77.0/24"
 SERVICE_RANGE = "10.96.77.0/24"
@@ -253,7 +258,7 @@ class Cluster(Node):
     def make_network(self) -> None:
         """Our bridge with the node's address, and the CNI config that puts pods on it."""
         self.remove_network()
-        for cmd in (["link", "add", BRIDGE, "type", "bridge"],
+        for cmd in (["link", "add", BRIDGE, "address", BRIDGE_MAC, "type", "bridge"],
                     ["addr", "add", f"{NODE_IP}/24", "dev", BRIDGE],
                     ["link", "set", BRIDGE, "up"]):
             subprocess.run(["ip", *cmd], check=True, capture_output=True)

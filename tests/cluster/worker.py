@@ -123,7 +123,8 @@ class Worker(nodemod.Node):
         subprocess.run(["ip", "link", "set", self.veth, "master", clustermod.BRIDGE, "up"],
                        check=True, capture_output=True)
         for cmd in (["link", "set", "lo", "up"],
-                    ["link", "add", clustermod.BRIDGE, "type", "bridge"],
+                    ["link", "add", clustermod.BRIDGE, "address",
+                     clustermod.BRIDGE_MAC[:-2] + "02", "type", "bridge"],
                     ["addr", "add", f"{self.node_ip}/24", "dev", clustermod.BRIDGE],
                     ["link", "set", clustermod.BRIDGE, "up"],
                     ["link", "set", UPLINK, "master", clustermod.BRIDGE, "up"]):
