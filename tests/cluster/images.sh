@@ -120,16 +120,31 @@ plugin_image() {
         "$REPO" --platform "linux/$arch" --build-arg "PYTHON_IMAGE=$base" -f "$REPO/Dockerfile"
 }
 
+# previous_image BASE: the previous release's plugin image, built by its own Dockerfile
+# from its source as released (tests/cluster/charts/*-src.tar.gz), for the Helm upgrade
+# from that release; prints its ref.
+previous_image() {
+    local base="$1" src dir
+    src="$(ls "$HERE"/charts/fuse-device-plugin-*-src.tar.gz)"
+    dir="$OUT/previous-src"
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    tar -xzf "$src" -C "$dir" --strip-components=1
+    build fuse-device-plugin "previous-$(key < "$src")-${base##*:}" "$dir" \
+        --build-arg "PYTHON_IMAGE=$base" -f "$dir/Dockerfile"
+}
+
 # The cluster stage's images, all for this machine.
 cluster_images() {
-    local base bkey plugin ref servers tar
+    local base bkey plugin previous ref servers tar
     base="$(base_image "$NATIVE")"
     bkey="${base##*:}"
     # manifests/examples/Dockerfile starts FROM debian:bookworm-slim.
     "${PODMAN[@]}" tag "$base" docker.io/library/debian:bookworm-slim
     plugin="$(plugin_image "$NATIVE")"
-    env_lines=("PLUGIN_IMAGE=$plugin")
-    refs=("$plugin")
+    previous="$(previous_image "$base")"
+    env_lines=("PLUGIN_IMAGE=$plugin" "PREVIOUS_PLUGIN_IMAGE=$previous")
+    refs=("$plugin" "$previous")
     for pkg in s3fs sshfs lxcfs; do
         ref="$(build "fuse-example-$pkg" \
             "$(inputs_key "$bkey $pkg" manifests/examples/Dockerfile)" "$REPO/manifests/examples" \

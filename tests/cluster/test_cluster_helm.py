@@ -1,6 +1,7 @@
 """The Helm chart on a two-node cluster, as docs/operability.md ("Install, upgrade and
 uninstall with Helm") tells a user: `helm install` of the previous version's chart
-(tests/cluster/charts/, as `helm package` made it) in the default mode and a FUSE pod
+(tests/cluster/charts/, as `helm package` made it) with its own image (built by its own
+Dockerfile from its source as released, beside the chart) in the default mode and a FUSE pod
 (manifests/examples/sshfs-pod.yaml) reading its sshfs mount every 200 ms; `helm upgrade`
 to this version with a FUSE pod created every second (none may be rejected); `helm upgrade
 --reset-then-reuse-values --set mode=broker` with the pod still reading and a FUSE pod
@@ -112,11 +113,12 @@ def helm(cluster: Cluster, helm_bin: str) -> Helm:
     return Helm(helm_bin, cluster.admin_kubeconfig)
 
 
-def image_values(images: dict[str, str]) -> list[str]:
+def image_values(images: dict[str, str], which: str = "PLUGIN_IMAGE") -> list[str]:
     """The README's `--set image.repository=REGISTRY/fuse-device-plugin`, here with the
     tag the cluster's image has (a string: a tag of digits and an `e` is a number to
-    --set, and the schema wants a string)."""
-    name, _, tag = images["PLUGIN_IMAGE"].rpartition(":")
+    --set, and the schema wants a string). ``PREVIOUS_PLUGIN_IMAGE``: the previous
+    release's image, built from its source as released (tests/cluster/images.sh)."""
+    name, _, tag = images[which].rpartition(":")
     return [f"--set=image.repository={name}", f"--set-string=image.tag={tag}"]
 
 
@@ -141,6 +143,12 @@ def release_objects(helm: Helm) -> list[tuple[str, str, str]]:
     docs = [d for d in yaml.safe_load_all(helm("get", "manifest", RELEASE)) if d]
     return [(d["kind"], d["metadata"].get("namespace", ""), d["metadata"]["name"])
             for d in docs]
+
+
+def plugin_image(api: Api) -> str:
+    """The image the plugin's DaemonSet runs."""
+    ds = api.get(f"/apis/apps/v1/namespaces/{PLUGIN_NS}/daemonsets/{PLUGIN_DS}")
+    return str(ds["spec"]["template"]["spec"]["containers"][0]["image"])
 
 
 def daemonsets(api: Api) -> list[str]:
@@ -184,12 +192,33 @@ def upgrade_with_a_pod_every_second(helm: Helm, kubectl: Kubectl, api: Api, imag
     return stream, rejected | {e: "not created" for e in stream.errors}
 
 
+def uninstall(helm: Helm, kubectl: Kubectl, api: Api, objects: list[tuple[str, str, str]]
+              ) -> tuple[str, list[str], list[str], tuple[int | None, int | None]]:
+    """`helm uninstall`, then what is left: helm's words, the objects labelled part-of
+    fuse-device-plugin, the release's records, and the node's github.com/fuse (capacity,
+    allocatable) once its allocatable is 0. Waits for each of ``objects`` to be gone."""
+    uninstalled = helm("uninstall", RELEASE, "--wait", "--timeout=3m")
+    wait_for(lambda: not any(exists(kubectl, *o) for o in objects) or None, 180,
+             "every object of the release to be gone", interval=2,
+             detail=lambda: str([o for o in objects if exists(kubectl, *o)]))
+    records = kubectl("get", "secrets", "-n", RELEASE_NS, "-l", f"owner=helm,name={RELEASE}",
+                      "-o", "name").split()
+
+    def none_served() -> tuple[int | None, int | None] | None:
+        now = fuse_resources(api)
+        return now if now[1] in (0, None) else None
+
+    served: tuple[int | None, int | None] = wait_for(
+        none_served, 90, "the node's allocatable github.com/fuse to drop to 0")
+    return uninstalled, ours_left(kubectl), records, served
+
+
 @pytest.fixture
 def reading_pod(*, helm: Helm, kubectl: Kubectl, api: Api, servers: Servers,
                 images: dict[str, str], tmp_path: Path) -> Iterator[None]:
     """The release installed in the default mode, and the sshfs example reading its mount
     every 200 ms; the pod and the release are gone afterwards, whatever happened."""
-    helm("install", RELEASE, str(PREVIOUS), *image_values(images))
+    helm("install", RELEASE, str(PREVIOUS), *image_values(images, "PREVIOUS_PLUGIN_IMAGE"))
     try:
         rollout(kubectl, PLUGIN_DS)
         rollout(kubectl, INSTALLER_DS)
@@ -218,12 +247,15 @@ def test_install_upgrade_rollback_uninstall_with_a_pod_reading_throughout(
     images: dict[str, str], tmp_path: Path
 ) -> None:
     installed = daemonsets(api)
+    image_installed = plugin_image(api)
     at_install = reads(kubectl)
 
-    # -- from the previous version (installed by `reading_pod`) to this one, same values.
+    # -- from the previous version (installed by `reading_pod`, its chart and its image)
+    # to this one: this chart and this image, the other values kept.
     to_this, version_rejected = upgrade_with_a_pod_every_second(
-        helm, kubectl, api, images["WORKLOAD_IMAGE"], VERSION_NS)
+        helm, kubectl, api, images["WORKLOAD_IMAGE"], VERSION_NS, *image_values(images))
     at_version = more_reads(kubectl, at_install)
+    image_upgraded = plugin_image(api)
 
     # -- to broker mode: the broker's DaemonSet comes, the plugin rolls with its env; a
     # FUSE pod created every second throughout.
@@ -247,6 +279,7 @@ def test_install_upgrade_rollback_uninstall_with_a_pod_reading_throughout(
     rollout(kubectl, PLUGIN_DS)
     wait_allocatable(api, DEFAULT_SLOTS)
     rolled_back = daemonsets(api)
+    image_rolled_back = plugin_image(api)
     env_back = [e for e in plugin_env(api) if e["name"] == BROKER_ENV]
     history = json.loads(helm("history", RELEASE, "-o", "json"))
     after_rollback = more_reads(kubectl, after_upgrade)
@@ -255,24 +288,14 @@ def test_install_upgrade_rollback_uninstall_with_a_pod_reading_throughout(
 
     # -- uninstall: nothing of ours left in the API.
     delete_sshfs_example(kubectl, api)
-    uninstalled = helm("uninstall", RELEASE, "--wait", "--timeout=3m")
-    wait_for(lambda: not any(exists(kubectl, *o) for o in objects) or None, 180,
-             "every object of the release to be gone", interval=2,
-             detail=lambda: str([o for o in objects if exists(kubectl, *o)]))
-    left = ours_left(kubectl)
-    records = kubectl("get", "secrets", "-n", RELEASE_NS, "-l", f"owner=helm,name={RELEASE}",
-                      "-o", "name").split()
-    def none_served() -> tuple[int | None, int | None] | None:
-        now = fuse_resources(api)
-        return now if now[1] in (0, None) else None
-
-    served = wait_for(none_served, 90, "the node's allocatable github.com/fuse to drop to 0")
+    uninstalled, left, records, served = uninstall(helm, kubectl, api, objects)
 
     proof = evidence(
         "helm",
-        f"installed {PREVIOUS.name} (default mode): DaemonSets {installed}; "
-        f"reader {at_install} (ok, FAIL)",
-        f"upgraded to this version: {len(to_this.names)} FUSE pods created one a second: "
+        f"installed {PREVIOUS.name} (default mode, image {image_installed}): DaemonSets "
+        f"{installed}; reader {at_install} (ok, FAIL)",
+        f"upgraded to this version (image {image_upgraded}): {len(to_this.names)} FUSE "
+        "pods created one a second: "
         f"{len(to_this.names) - len(version_rejected)} Succeeded, rejected: "
         f"{version_rejected}; reader {at_version}", *to_this.errors,
         to_this.longest_wait(),
@@ -282,7 +305,8 @@ def test_install_upgrade_rollback_uninstall_with_a_pod_reading_throughout(
         f"{per_node}: "
         f"{len(stream.names) - len(rejected)} Succeeded, rejected: {rejected}", *stream.errors,
         stream.longest_wait(),
-        f"rolled back: DaemonSets {rolled_back}, plugin broker env {env_back}; "
+        f"rolled back (image {image_rolled_back}): DaemonSets {rolled_back}, plugin broker "
+        f"env {env_back}; "
         f"reader {after_rollback}; the file still reads {still!r}",
         "history: " + ", ".join(f"{h['revision']} {h['chart']} {h['status']} "
                                 f"{h['description']}" for h in history),
@@ -290,6 +314,8 @@ def test_install_upgrade_rollback_uninstall_with_a_pod_reading_throughout(
         f"left in the API: labelled part-of {left}, release records {records}; "
         f"node github.com/fuse (capacity, allocatable) {served}")
     assert installed == sorted([PLUGIN_DS, INSTALLER_DS]), proof
+    assert image_installed == image_rolled_back == images["PREVIOUS_PLUGIN_IMAGE"], proof
+    assert image_upgraded == images["PLUGIN_IMAGE"], proof
     assert upgraded == sorted([PLUGIN_DS, INSTALLER_DS, BROKER_DS, LXCFS_DS]), proof
     assert broker_env, proof
     assert not stream.errors, proof

@@ -18,6 +18,7 @@ import difflib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -201,6 +202,27 @@ def test_previous_release_is_an_older_version_of_this_chart() -> None:
     assert key(chart["version"]) < key(__version__), (
         f"{previous.name} is version {chart['version']}, not older than {__version__}")
     assert previous.name == f"fuse-device-plugin-{chart['version']}.tgz"
+
+
+def test_previous_release_source_is_that_version() -> None:
+    """Beside the previous chart, its source as released: the cluster stage builds the
+    image the previous chart runs from it (tests/cluster/images.sh), so the Helm test
+    upgrades that release's code, not this one's under an old chart."""
+    charts = ROOT / "tests" / "cluster" / "charts"
+    [previous] = charts.glob("*.tgz")
+    [source] = charts.glob("*-src.tar.gz")
+    version = previous.name.removeprefix("fuse-device-plugin-").removesuffix(".tgz")
+    assert source.name == f"fuse-device-plugin-{version}-src.tar.gz"
+    with tarfile.open(source) as tar:
+        names = set(tar.getnames())
+        member = tar.extractfile(f"fuse-device-plugin-{version}/pyproject.toml")
+        assert member is not None
+        declared = re.search(r'^version = "([^"]+)"$', member.read().decode(), re.M)
+    assert declared is not None, "the source's pyproject.toml declares no version"
+    assert declared.group(1) == version, declared.group(1)
+    for needed in ("Dockerfile", "README.md", "fuse_plugin/__init__.py",
+                   "scripts/build-native"):
+        assert f"fuse-device-plugin-{version}/{needed}" in names, needed
 
 
 def test_another_namespace_and_image_reach_every_field(helm: str) -> None:
