@@ -200,7 +200,6 @@ class FakeApiServer:
                 kind = _kind(method, parts.path)
                 with server._cond:
                     server.requests.append((method, self.path))
-                    server._cond.notify_all()
                     gate = server.hold.get(kind)
                 if gate is not None:
                     gate.wait(HOLD_LIMIT)
