@@ -135,12 +135,7 @@ class ApiClaims:
         from fuse_plugin.dra.resources import ResourceClaim
 
         try:
-            try:
-                claim = self._client.get(ResourceClaim, name, namespace=namespace)
-            except httpx2.TimeoutException:
-                # Once more, on a new connection (httpx drops the one that timed out): a
-                # pooled connection the network lost answers nothing until the timeout.
-                claim = self._client.get(ResourceClaim, name, namespace=namespace)
+            claim = self._client.get(ResourceClaim, name, namespace=namespace)
         except ApiError as err:
             kind = ClaimGone if err.status.code == 404 else ClaimError
             raise kind(f"cannot read claim {namespace}/{name} from the API server: "

@@ -211,8 +211,8 @@ def test_rollout_goes_node_by_node_and_rejects_no_fuse_pod(
     old = {n: p["metadata"]["uid"] for n, p in deployed.items()}
     try:
         stream = PodEverySecond(api, images["WORKLOAD_IMAGE"], ROLL_NS)
-        status, new, took, sampler, _ = restart_with_pods(kubectl, api, stream, PLUGIN_DS,
-                                                          PLUGIN_SELECTOR)
+        status, new, took, sampler, followed = restart_with_pods(
+            kubectl, api, stream, PLUGIN_DS, PLUGIN_SELECTOR)
         ended = stream.phases()
         line = wait_slots(api, DEFAULT_SLOTS)
         rejected = {n: st.get("message", "") for n, st in ended.items()
@@ -224,7 +224,8 @@ def test_rollout_goes_node_by_node_and_rejects_no_fuse_pod(
             f"{sampler.surging_at_once()} ({len(sampler.samples)} samples)",
             f"{len(ended)} FUSE pods created one a second, per node {per_node}: "
             f"{len(ended) - len(rejected)} Succeeded, rejected: {rejected}", *stream.errors,
-            stream.longest_wait())
+            stream.longest_wait(), "the old plugins' stop:",
+            *followed.lines("signal", "handoff."))
         assert "successfully rolled out" in status, proof
         assert all(new[n]["metadata"]["uid"] != old[n] for n in NODES), proof
         assert sorted(sampler.order()) == sorted(NODES), proof
@@ -414,8 +415,8 @@ def test_broker_rollout_goes_node_by_node_and_fails_no_mount(
 
     try:
         stream = PodEverySecond(api, "", BROKER_NS, make)
-        status, new, took, sampler, _ = restart_with_pods(kubectl, api, stream, BROKER_DS,
-                                                          BROKER_SELECTOR)
+        status, new, took, sampler, followed = restart_with_pods(
+            kubectl, api, stream, BROKER_DS, BROKER_SELECTOR)
         ended = stream.phases()
         logs = {n: kubectl.run("-n", BROKER_NS, "logs", n, check=False).stdout
                 for n in ended}
@@ -432,7 +433,8 @@ def test_broker_rollout_goes_node_by_node_and_fails_no_mount(
             f"{len(ended)} mounting pods created one a second, per node {per_node}: "
             f"{len(ended) - len(failed)} mounted, wrote, read and unmounted; failed: "
             f"{failed}", f"{len(waited)} met a restarting broker and waited: "
-            f"{sorted(waited.values())[:3]}", *stream.errors, stream.longest_wait())
+            f"{sorted(waited.values())[:3]}", *stream.errors, stream.longest_wait(),
+            "the old brokers' stop:", *followed.lines("signal", "stopped"))
         assert "successfully rolled out" in status, proof
         assert all(new[n]["metadata"]["uid"] != old[n] for n in NODES), proof
         assert sorted(sampler.replaced()) == sorted(NODES), proof
