@@ -32,7 +32,7 @@ class Caller:
     uid: int  # as the node sees them
     gid: int
     pidfd: int
-    container: str  # the caller's cgroup: one per container, and no tenant can leave it
+    container: str  # the caller's container's cgroup (policy.container_of)
     groups: tuple[int, ...] = ()
     mnt_ns: int = -1  # fds for the helper
     user_ns: int = -1  # -1: the node's own user namespace
@@ -80,16 +80,7 @@ class Caller:
         policy.caller(root, maps_node_root)
 
     def alive(self) -> bool:
-        """Signal 0 through the pidfd: ESRCH once the process is gone. A caller of
-        another uid answers EPERM (the broker holds no CAP_KILL), which also says it is
-        there."""
-        try:
-            signal.pidfd_send_signal(self.pidfd, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return alive(self.pidfd)
 
     def close(self) -> None:
         for fd in (self.pidfd, *self._fds):
@@ -106,6 +97,18 @@ class Caller:
 UCRED = "iII"
 
 
+def alive(pidfd: int) -> bool:
+    """Signal 0 through the pidfd: ESRCH once the process is gone. A process of another
+    uid answers EPERM (the broker holds no CAP_KILL), which also says it is there."""
+    try:
+        signal.pidfd_send_signal(pidfd, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def identify(conn: socket.socket) -> Caller:
     """The connected process, from the kernel's view of the socket."""
     # struct ucred: pid_t, then uid_t and gid_t, which are unsigned: a user-namespaced pod's
@@ -115,7 +118,7 @@ def identify(conn: socket.socket) -> Caller:
     if pid <= 0:
         raise policy.Refused("the caller's pid is not visible (the broker needs host PID)",
                              "caller")
-    pidfd = _peer_pidfd(conn, pid)
+    pidfd = peer_pidfd(conn, pid)
     os.set_inheritable(pidfd, False)
     caller = Caller(pid=pid, uid=uid, gid=gid, pidfd=pidfd, container="")
     key = _process_key(pidfd)
@@ -141,7 +144,7 @@ def identify(conn: socket.socket) -> Caller:
     return caller
 
 
-def _peer_pidfd(conn: socket.socket, pid: int) -> int:
+def peer_pidfd(conn: socket.socket, pid: int) -> int:
     """A pidfd for exactly the process that connected."""
     try:
         pidfd = conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
@@ -193,16 +196,17 @@ def _pidfd_inodes_unique() -> bool:
 
 
 def _cgroup(pid: int) -> str:
-    """The caller's cgroup: the devices controller's (cgroup v1: the one Allocate's rule
-    is written in), else the unified one (v2), else the first listed. On a hybrid host
-    the unified line may be "/" for every container, so it comes second."""
+    """The caller's container (``policy.container_of``) from its cgroup: the devices
+    controller's (cgroup v1: the one Allocate's rule is written in), else the unified
+    one (v2), else the first listed. On a hybrid host the unified line may be "/" for
+    every container, so it comes second."""
     with open(f"/proc/{pid}/cgroup") as text:
         lines = [line.split(":", 2) for line in text.read().splitlines() if line.count(":") >= 2]
     for want in (lambda c: "devices" in c.split(","), lambda c: c == ""):
         for _, controllers, path in lines:
             if want(controllers):
-                return path
-    return lines[0][2] if lines else "/"
+                return policy.container_of(path)
+    return policy.container_of(lines[0][2] if lines else "/")
 
 
 def _groups(pid: int) -> tuple[int, ...]:

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from fuse_plugin import logs, sockets
 from fuse_plugin.broker import caller as callers
-from fuse_plugin.broker import policy, protocol
+from fuse_plugin.broker import cgroups, policy, protocol
 from fuse_plugin.broker.conversation import Conversation
 from fuse_plugin.broker.lxcfs_records import Consumer, ConsumerRecords
 
@@ -88,7 +88,12 @@ class Bind:
     proc: subprocess.Popen[bytes] | None = None
     pidfd: int = -1
     deadline: float = 0.0
+    killed: bool = False  # past its deadline and sent SIGKILL: its pod's until it exits
     started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def pod(self) -> str:
+        return policy.pod_of(self.consumer.container)
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,25 @@ class Event:
 
     kind: str  # listen, instance, bind, consumer
     target: object
+
+
+def _announcer(sock: socket.socket) -> tuple[int, int]:
+    """The announcing process's pid and mount namespace, held by its pidfd: the namespace
+    is opened through /proc/PID and kept only if that pidfd still names a live process
+    then, so a pid reused after lxcfs died never hands the broker another process's
+    namespace to bind from. ``policy.Refused`` if it has exited."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                            struct.calcsize(callers.UCRED))
+    pid = struct.unpack(callers.UCRED, creds)[0]
+    pidfd = callers.peer_pidfd(sock, pid)
+    try:
+        mnt_ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        if not callers.alive(pidfd):
+            os.close(mnt_ns)
+            raise policy.Refused(f"the announcing process {pid} has exited", "caller")
+    finally:
+        os.close(pidfd)
+    return pid, mnt_ns
 
 
 def asks(data: bytes) -> bool:
@@ -126,13 +150,15 @@ class Views:
     """The broker's side of LXCFS views, driven by the loop (``server.Broker``)."""
 
     def __init__(self, selector: selectors.BaseSelector, *, tool: Path, directory: Path,
-                 state: Path, mark: policy.Mark, log: logging.Logger,
+                 state: Path, mark: policy.Mark, charge: cgroups.Charge,
+                 log: logging.Logger,
                  answer: Callable[[Conversation, policy.Refused | str | None, bool], None]
                  ) -> None:
         self.selector = selector
         self.tool = tool
         self.directory = directory
         self.mark = mark
+        self.charge = charge  # the tool runs in its consumer's cgroups, as helpers do
         self.log = log
         # answer(conversation, None, _): ok; a Refused: refused (later: asks again); a str:
         # failed.
@@ -192,14 +218,11 @@ class Views:
         except OSError:
             return
         try:
-            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                    struct.calcsize(callers.UCRED))
-            pid = struct.unpack(callers.UCRED, creds)[0]
-            mnt_ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as err:
+            pid, mnt_ns = _announcer(sock)
+        except (OSError, policy.Refused) as err:
             logs.event(self.log, "broker.lxcfs_refused", logging.WARNING,
                        reason=f"cannot open the announcing process's mount namespace: "
-                              f"{err.strerror or err}")
+                              f"{err.strerror if isinstance(err, OSError) else err}")
             sock.close()
             return
         sock.setblocking(False)
@@ -249,6 +272,9 @@ class Views:
                                                                       *self.queued)):
                 raise policy.Refused("an lxcfs bind for this container is under way; try "
                                      "again", "busy")
+            if self._stuck(policy.pod_of(conversation.container)):
+                raise policy.Refused("an earlier lxcfs bind for this pod was killed at its "
+                                     "deadline and has not ended yet; try again", "busy")
             if sum(1 for c in self.consumers if c.container == conversation.container) \
                     >= PER_CONTAINER:
                 raise policy.Refused(f"this container already has {PER_CONTAINER} "
@@ -274,29 +300,58 @@ class Views:
         self.queued.append(bind)
         self._next()
 
+    def _stuck(self, pod: str) -> bool:
+        """Whether a bind for this pod was killed and has not exited: one that waits in
+        the kernel on something of the pod's costs the pod (no more binds for it), never
+        the node's slots."""
+        return any(b.killed and b.pod == pod for b in self.running)
+
     def _next(self) -> None:
-        while self.queued and len(self.running) < RUNNING:
+        while self.queued and sum(not b.killed for b in self.running) < RUNNING:
             bind = self.queued.popleft()
             if bind.instance is not self.instance:  # superseded: the new one's heal binds
                 self._settle(bind, "lxcfs restarted during the bind; try again")
                 continue
+            if self._stuck(bind.pod):
+                self._settle(bind, "an earlier lxcfs bind for this pod has not ended")
+                continue
             try:
-                bind.proc = subprocess.Popen(
-                    [str(self.tool), self.mark.dev, self.mark.root,
-                     str(bind.instance.mnt_ns), str(bind.consumer.mnt_ns)],
-                    pass_fds=(bind.instance.mnt_ns, bind.consumer.mnt_ns), env={},
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT)
-                bind.pidfd = os.pidfd_open(bind.proc.pid)
+                self._start(bind)
+            except policy.Refused as refused:
+                self._settle(bind, refused)
+                continue
             except OSError as err:
-                if bind.proc is not None:
-                    bind.proc.kill()
-                    bind.proc.wait()
                 self._settle(bind, f"cannot start {TOOL_NAME}: {err.strerror or err}")
                 continue
             bind.deadline = time.monotonic() + BIND_DEADLINE
             self.running.append(bind)
             self.selector.register(bind.pidfd, selectors.EVENT_READ, Event("bind", bind))
+
+    def _start(self, bind: Bind) -> None:
+        """The tool, in its consumer's cgroups (``cgroups``: it moves itself there before
+        anything else), so the work done for a container is charged to it. Refused if
+        the consumer has exited or its cgroups cannot be written."""
+        consumer = bind.consumer
+        charge = self.charge.open(consumer.pid)
+        try:
+            if not callers.alive(consumer.pidfd):  # the cgroups opened were another's
+                raise policy.Refused(f"the calling process {consumer.pid} has exited",
+                                     "caller")
+            fds = (bind.instance.mnt_ns, consumer.mnt_ns, *(fd for _, fd in charge))
+            bind.proc = subprocess.Popen(
+                [str(self.tool), self.mark.dev, self.mark.root,
+                 str(bind.instance.mnt_ns), str(consumer.mnt_ns)],
+                pass_fds=fds, env=cgroups.environment(charge) if charge else {},
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            bind.pidfd = os.pidfd_open(bind.proc.pid)  # not reaped yet: this process
+        except OSError:
+            if bind.proc is not None:  # started, but it cannot be watched: gone now
+                bind.proc.kill()
+                bind.proc.wait()
+                bind.proc = None
+            raise
+        finally:
+            cgroups.close(charge)
 
     def _finished(self, bind: Bind) -> None:
         """The tool has exited: its one line says how it went."""
@@ -354,20 +409,27 @@ class Views:
     # -- deadlines and the end -----------------------------------------------------------
 
     def soonest(self) -> list[float]:
-        return [min(b.deadline for b in self.running)] if self.running else []
+        """The next deadline of a bind not yet killed (a killed one is waited for on its
+        pidfd, never polled)."""
+        deadlines = [b.deadline for b in self.running if not b.killed]
+        return [min(deadlines)] if deadlines else []
 
     def expire(self, now: float) -> None:
-        """A bind past its deadline (lxcfs not answering) is killed; its exit ends it."""
+        """A bind past its deadline (lxcfs not answering) is killed, once; its exit
+        ends it."""
         for bind in self.running:
-            if bind.deadline <= now and bind.proc is not None and bind.proc.poll() is None:
+            if bind.deadline <= now and not bind.killed:
+                bind.killed = True
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(bind.pidfd, signal.SIGKILL)
 
     def close(self) -> None:
+        """Kills what runs and waits for none of it: a tool held in the kernel must not
+        hold the broker's stop (it is reaped by whoever inherits it)."""
         for bind in [*self.running, *self.queued]:
             if bind.proc is not None:
-                bind.proc.kill()
-                bind.proc.wait()
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(bind.pidfd, signal.SIGKILL)
                 if bind.proc.stdout is not None:
                     bind.proc.stdout.close()
                 os.close(bind.pidfd)

@@ -290,6 +290,21 @@ def allocated(mark: Mark, ours: Mark) -> None:
 POD_CGROUP = re.compile(r"(?:^|[-_])pod[0-9a-fA-F_-]+(?:\.slice)?$")
 
 
+def container_of(cgroup: str) -> str:
+    """The container a process belongs to, from its cgroup as the node's cgroup namespace
+    names it: the cgroup just below the topmost pod cgroup on the path (the one the
+    runtime made for the container), or, outside any pod, the path's first component.
+    A tenant can make cgroups only below its own container's (in a cgroup namespace of
+    its own, with a hierarchy it mounted there) and move its processes into them; what
+    it makes there does not change what this returns, so its shares and caps hold
+    whatever it does inside its namespaces."""
+    parts = [part for part in cgroup.split("/") if part]
+    for depth, part in enumerate(parts):
+        if POD_CGROUP.search(part):
+            return "/" + "/".join(parts[:depth + 2])
+    return "/" + "/".join(parts[:1])
+
+
 def pod_of(container: str) -> str:
     """The pod a container's cgroup belongs to, for the fair shares: its parent cgroup
     when that is a pod's, else the container itself (a container outside any pod's

@@ -89,15 +89,18 @@ class Records:
             return None
 
     def add(self, record: Record) -> None:
-        old = self._records.get(record.connection)
-        if old is not None:
-            self._forget(old)
-        self._records[record.connection] = record
+        """Written before anything is dropped: a broker killed at any instant in here
+        leaves the new record or no change (an earlier connection of the same number,
+        gone from the kernel, is forgotten only once the new one is on disk)."""
         # Renamed into place, not fsynced: a record must survive the broker, not the
         # node (a reboot ends every connection), and a mount should not wait on a disk.
         temp = self.directory / f".{record.name}"
         temp.write_text(json.dumps(asdict(record)))
         os.replace(temp, self.directory / record.name)
+        old = self._records.get(record.connection)
+        if old is not None and old.name != record.name:
+            self._forget(old)
+        self._records[record.connection] = record
 
     def forget(self, connection: int) -> None:
         """Drop a record (one whose file could not be written)."""

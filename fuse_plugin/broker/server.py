@@ -150,7 +150,7 @@ class Broker:
             self.views = lxcfs.Views(
                 self._selector, tool=self.helper_binary.parent / lxcfs.TOOL_NAME,
                 directory=settings.lxcfs_dir, state=settings.state / "lxcfs",
-                mark=mark, log=self.log,
+                mark=mark, charge=self.helpers.charge, log=self.log,
                 answer=self.requests.answer_lxcfs)
             self.views.start()
             self.requests.serve(mark, self.views)

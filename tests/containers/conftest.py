@@ -12,6 +12,7 @@ import pytest
 from fuse_plugin.api import api_pb2 as api
 from tests.lib import broker as broker_rig
 from tests.lib import oci, plugin
+from tests.lib.lxcfs import LxcfsInstance
 from tests.lib.servers import Moto, Sshd
 
 FUSE = Path("/dev/fuse")
@@ -112,3 +113,32 @@ def broker(broker_dir: Path, tmp_path: Path) -> Iterator[broker_rig.BrokerProces
         yield process.start()
     finally:
         process.stop()
+
+
+@pytest.fixture
+def lxcfs_dir(tmp_path: Path) -> Path:
+    """Where the broker listens for lxcfs (its --lxcfs-dir)."""
+    return tmp_path / "lxcfs-socket"
+
+
+@pytest.fixture
+def views_broker(broker_dir: Path, lxcfs_dir: Path, tmp_path: Path
+                 ) -> Iterator[broker_rig.BrokerProcess]:
+    """A broker that serves LXCFS views on its own lxcfs socket."""
+    process = broker_rig.BrokerProcess(broker_dir, tmp_path / "broker-run", broker_rig.shim(),
+                                       "--lxcfs-dir", str(lxcfs_dir))
+    try:
+        yield process.start()
+    finally:
+        process.stop()
+
+
+@pytest.fixture
+def node_lxcfs(views_broker: broker_rig.BrokerProcess, lxcfs_dir: Path, tmp_path: Path
+               ) -> Iterator[LxcfsInstance]:
+    """The node's lxcfs, announced to ``views_broker``."""
+    instance = LxcfsInstance(lxcfs_dir, tmp_path / "lxcfs-run")
+    try:
+        yield instance.start()
+    finally:
+        instance.stop()

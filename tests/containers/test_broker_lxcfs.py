@@ -10,7 +10,6 @@ container (SIGKILL, then a fresh instance) while a consumer reads in a loop.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,32 +25,6 @@ from tests.lib.waiting import wait_for
 LIMIT = 256 * 1024 * 1024
 TENANT = 1000
 WRAPPED = ["/usr/bin/fusermount3", "--lxcfs", "--", "sleep", "infinity"]
-
-
-@pytest.fixture
-def lxcfs_dir(tmp_path: Path) -> Path:
-    return tmp_path / "lxcfs-socket"
-
-
-@pytest.fixture
-def views_broker(broker_dir: Path, lxcfs_dir: Path, tmp_path: Path
-                 ) -> Iterator[BrokerProcess]:
-    process = BrokerProcess(broker_dir, tmp_path / "broker-run", broker_rig.shim(),
-                            "--lxcfs-dir", str(lxcfs_dir))
-    try:
-        yield process.start()
-    finally:
-        process.stop()
-
-
-@pytest.fixture
-def node_lxcfs(views_broker: BrokerProcess, lxcfs_dir: Path, tmp_path: Path
-               ) -> Iterator[LxcfsInstance]:
-    instance = LxcfsInstance(lxcfs_dir, tmp_path / "lxcfs-run")
-    try:
-        yield instance.start()
-    finally:
-        instance.stop()
 
 
 def consumer(allocation: api.ContainerAllocateResponse | None, args: list[str],

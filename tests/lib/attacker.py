@@ -17,11 +17,26 @@ going through the shim. Every command prints one JSON object on stdout.
     attacker.py pin-and-hide N DIR               mount, pin (O_PATH), lazy-unmount, repeat
     attacker.py swap-race DIR ITERATIONS         swap DIR/a (ours) and DIR/b (not) while
                                                  asking to mount on DIR/a
-    attacker.py serve MOUNTPOINT RECORD [--no-flush]
+    attacker.py serve MOUNTPOINT RECORD [--no-flush] [--never-lookup]
                                                  mount a FUSE stub (one file in its root)
                                                  that writes every request's opcode, uid
                                                  and name to RECORD; --no-flush: FLUSH is
-                                                 never answered; hold until stdin ends
+                                                 never answered; --never-lookup: LOOKUP is
+                                                 read and never answered (whoever looks
+                                                 up a name waits in the kernel, past
+                                                 SIGKILL); hold until stdin ends
+    attacker.py nested-ask UID SOURCE TARGET FIELD=VALUE...
+                                                 in a user namespace of its own (its root
+                                                 the node's UID) and a mount namespace it
+                                                 owns, bind SOURCE over TARGET, then ask
+                                                 from there; the answer (or none within
+                                                 its wait) and the fuse.lxcfs mounts the
+                                                 namespace holds after it
+    attacker.py split-cgroups N M DIR           N processes, each moved by a process in
+                                                 namespaces of its own (user, mount,
+                                                 cgroup) into a cgroup it made below the
+                                                 container's, mount M times each under
+                                                 DIR; each one's cgroup and tally
     attacker.py swap-ask DIR N FILE              name one fd as fuse_fd N times (mounting
                                                  DIR/0...) while a thread swaps it between
                                                  /dev/fuse and FILE
@@ -53,6 +68,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import ctypes
 import json
 import os
 import selectors
@@ -65,6 +81,9 @@ from typing import Any
 
 SOCKET = os.environ.get("FUSE_BROKER_SOCKET", "/run/fuse-broker/broker.sock")
 VERSION = "2"
+CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUSER = 0x00020000, 0x02000000, 0x10000000
+MS_BIND = 4096
+ANSWER_WAIT = 20.0  # seconds a nested request waits for the broker's answer
 
 
 def encode(fields: list[str]) -> bytes:
@@ -473,6 +492,8 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
     if answer["status"] == "ok":
         never = frozenset({FUSE_FLUSH, FUSE_RELEASE}) \
             if args.no_flush or args.no_flush_from_outside else frozenset()
+        if args.never_lookup:
+            never |= {FUSE_LOOKUP}
         threading.Thread(target=serve_fuse,
                          args=(fd, args.record, never, args.no_flush_from_outside),
                          daemon=True).start()
@@ -631,6 +652,122 @@ def mountpoint_of(mount_id: str) -> str:
     raise LookupError(f"mount {mount_id} is not in this namespace")
 
 
+def _libc_call(name: str, *args: Any) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if getattr(libc, name)(*args) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{name}: {os.strerror(err)}")
+
+
+def in_namespaces(flags: int, outside: int, work: Any) -> dict[str, Any]:
+    """``work()`` in a child that made a user namespace (with ``flags``' other
+    namespaces, owned by it) whose root is the node's ``outside``, as the container's
+    root may map it; the child's JSON result."""
+    ready_r, ready_w = os.pipe()
+    mapped_r, mapped_w = os.pipe()
+    out_r, out_w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            _libc_call("unshare", CLONE_NEWUSER | flags)
+            os.write(ready_w, b"u")
+            os.read(mapped_r, 1)
+            result = work()
+        except Exception as err:  # noqa: BLE001 - reported, as every command reports
+            result = {"status": "error", "message": str(err)}
+        os.write(out_w, json.dumps(result).encode())
+        os._exit(0)
+    for fd in (ready_w, mapped_r, out_w):
+        os.close(fd)
+    os.read(ready_r, 1)
+    for name in ("uid_map", "gid_map"):
+        with open(f"/proc/{child}/{name}", "w") as text:
+            text.write(f"0 {outside} 1")
+    os.write(mapped_w, b"m")
+    data = b""
+    while chunk := os.read(out_r, 65536):
+        data += chunk
+    os.waitpid(child, 0)
+    return json.loads(data) if data else {"status": "error", "message": "no result"}
+
+
+def lxcfs_binds() -> list[str]:
+    """The fuse.lxcfs mounts in this process's mount namespace."""
+    with open("/proc/self/mountinfo") as table:
+        return [line.split()[4] for line in table if " - fuse.lxcfs " in line]
+
+
+def cmd_nested_ask(args: argparse.Namespace) -> dict[str, Any]:
+    def work() -> dict[str, Any]:
+        _libc_call("mount", args.source.encode(), args.target.encode(), None, MS_BIND, None)
+        sock = connect()
+        sock.settimeout(ANSWER_WAIT)
+        try:
+            sock.send(encode(args.fields))
+            answer = reply_of(sock)
+        except TimeoutError:
+            answer = {"status": "no answer"}
+        finally:
+            sock.close()
+        return {"answer": answer, "lxcfs_binds": lxcfs_binds()}
+
+    return in_namespaces(CLONE_NEWNS, args.uid, work)
+
+
+def cmd_split_cgroups(args: argparse.Namespace) -> dict[str, Any]:
+    """The container's root makes cgroups below its own in a hierarchy it mounts in
+    namespaces of its own, and moves one asking process into each."""
+    askers = []
+    for i in range(args.n):
+        go_r, go_w = os.pipe()
+        out_r, out_w = os.pipe()
+        child = os.fork()
+        if child == 0:
+            os.read(go_r, 1)
+            held, answers = [], []
+            for j in range(args.m):
+                path = f"{args.dir}/{i}-{j}"
+                os.makedirs(path, exist_ok=True)
+                held.append(open_fuse())
+                answers.append(ask_once([f"v={VERSION}", "op=mount", f"path={path}"],
+                                        False, held[-1]))
+            with open("/proc/self/cgroup") as own:
+                cgroup = own.read()
+            os.write(out_w, json.dumps({"cgroup": cgroup, **tally(answers)}).encode())
+            os._exit(0)
+        os.close(go_r)
+        os.close(out_w)
+        askers.append((child, go_w, out_r))
+    with open("/proc/self/cgroup") as own:
+        unified = all(line.startswith("0::") for line in own.read().splitlines())
+    hierarchy = f"{args.dir}/.cgroup"
+    os.makedirs(hierarchy, exist_ok=True)
+
+    def split() -> dict[str, Any]:
+        if unified:
+            _libc_call("mount", b"cgroup2", hierarchy.encode(), b"cgroup2", 0, None)
+        else:
+            _libc_call("mount", b"cgroup", hierarchy.encode(), b"cgroup", 0, b"devices")
+        moved = []
+        for i, (child, _, _) in enumerate(askers):
+            os.mkdir(f"{hierarchy}/split{i}")
+            with open(f"{hierarchy}/split{i}/cgroup.procs", "w") as procs:
+                procs.write(str(child))
+            moved.append(child)
+        return {"moved": moved}
+
+    result = in_namespaces(CLONE_NEWNS | CLONE_NEWCGROUP, 0, split)
+    found = []
+    for child, go_w, out_r in askers:
+        os.write(go_w, b"g")
+        data = b""
+        while chunk := os.read(out_r, 65536):
+            data += chunk
+        os.waitpid(child, 0)
+        found.append(json.loads(data))
+    return {"split": result, "askers": found}
+
+
 def add_fuse_commands(sub: Any) -> None:
     """The commands around a FUSE stub and descriptors handed between tenants."""
     serve = sub.add_parser("serve")
@@ -638,6 +775,16 @@ def add_fuse_commands(sub: Any) -> None:
     serve.add_argument("record")
     serve.add_argument("--no-flush", action="store_true")
     serve.add_argument("--no-flush-from-outside", action="store_true")
+    serve.add_argument("--never-lookup", action="store_true")
+    nested = sub.add_parser("nested-ask")
+    nested.add_argument("uid", type=int)
+    nested.add_argument("source")
+    nested.add_argument("target")
+    nested.add_argument("fields", nargs="+")
+    split = sub.add_parser("split-cgroups")
+    split.add_argument("n", type=int)
+    split.add_argument("m", type=int)
+    split.add_argument("dir")
     swap_ask = sub.add_parser("swap-ask")
     swap_ask.add_argument("dir")
     swap_ask.add_argument("n", type=int)
@@ -707,7 +854,8 @@ def main() -> int:
                 "swap-race": cmd_swap_race, "serve": cmd_serve, "pass-fd": cmd_pass_fd,
                 "ask-with-fd": cmd_ask_with_fd, "ask-later": cmd_ask_later,
                 "mount-loop": cmd_mount_loop, "swap-ask": cmd_swap_ask,
-                "burst": cmd_burst}
+                "burst": cmd_burst, "nested-ask": cmd_nested_ask,
+                "split-cgroups": cmd_split_cgroups}
     print(json.dumps(commands[args.command](args)), flush=True)
     if args.command in ("hold", "silent", "descriptors", "pin-and-hide", "serve", "pass-fd",
                         "ask-with-fd", "burst"):

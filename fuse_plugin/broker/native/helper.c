@@ -78,9 +78,6 @@
 #define ANSWER 2
 #define REPORT 3
 #define MAX_PATH 4096
-/* Mount types never looked inside (policy.NO_WALK; a unit test keeps them equal); an
- * entry ending in '.' is a prefix. Built in, not sent: no message can leave it out. */
-#define NO_WALK "fuse,fuse.,fuseblk,fuseblk.,autofs"
 /* Each message from the broker: the fields it may have, then those it must have, as
  * fuse_plugin/broker/messages.py declares them (its Request, and the answers ANSWERS
  * allows to each report; tests/unit/test_broker_messages.py keeps them equal, and this
@@ -334,21 +331,6 @@ static long number(const char *text, long max)
 	return value;
 }
 
-/* Is fstype in the comma-separated list? An entry ending in '.' matches a prefix. */
-static int listed(const char *list, const char *fstype)
-{
-	const char *p = list;
-
-	while (*p) {
-		size_t len = strcspn(p, ",");
-		if (len && (p[len - 1] == '.' ? strncmp(fstype, p, len) == 0
-					 : strlen(fstype) == len && strncmp(fstype, p, len) == 0))
-			return 1;
-		p += len + (p[len] == ',');
-	}
-	return 0;
-}
-
 /* The request's groups: an array of u32, each a valid id, at most MAX_GROUPS. */
 static const char *group_array(const struct fields *req, size_t *count)
 {
@@ -454,62 +436,17 @@ static const char *reason(int err)
 	}
 }
 
-/* Looking up a name in a directory asks its filesystem: refuse before asking one whose
- * type is in NO_WALK (a FUSE daemon can stall any lookup, an automounter too). */
-static void check_walkable(const struct table *t, int dir, const char *path)
-{
-	const struct mount *m = find_id(t, mount_id_of(dir));
-
-	if (!m)
-		refused("mountpoint '%s' refused: %s", path,
-			"the mount table changed while it was resolved");
-	if (listed(NO_WALK, m->fstype))
-		finish("refused", "mountpoint '%s' is at or inside the %s mount at '%s': the "
-		       "broker does not resolve paths through it", path, m->fstype, m->point);
-}
-
-/* One component, no symlink of any kind, never above dir. O_PATH without O_DIRECTORY
- * neither opens the file nor triggers an automount. */
-static int open_one(int dir, const char *name)
-{
-	struct open_how_ how = { O_PATH | O_CLOEXEC, 0,
-				 RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH };
-
-	return (int)syscall(SYS_openat2_, dir, name, &how, sizeof(how));
-}
-
-/* Resolve path from the namespace's root one component at a time, refusing to look
- * inside any mount of a NO_WALK type; returns an O_PATH fd of the directory reached
- * (or, for the last component, whatever it is: the caller asked for a name in its
- * parent). */
+/* The shared walk (mounts.h), with this program's words for a component it cannot open. */
 static int walk(const struct table *t, const char *path, int whole)
 {
-	char copy[MAX_PATH], *save = NULL, *name, *next;
-	int cur = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+	int fd = walk_beneath(t, path, whole);
 
-	if (cur == -1)
-		failed("open the namespace root");
-	if (strlen(path) >= sizeof(copy) || path[0] != '/')
-		finish("failed", "bad path from the broker: '%s'", path);
-	strcpy(copy, path);
-	name = strtok_r(copy + 1, "/", &save);
-	while (name) {
-		int fd;
-		next = strtok_r(NULL, "/", &save);
-		check_walkable(t, cur, path);
-		if (!next && !whole)
-			return cur; /* the parent, for unmount */
-		fd = open_one(cur, name);
-		if (fd == -1) {
-			if (errno == EACCES)
-				refusal_kind = "permission";
-			refused("mountpoint '%s' refused: %s", path, reason(errno));
-		}
-		close(cur);
-		cur = fd;
-		name = next;
+	if (fd == -1) {
+		if (errno == EACCES)
+			refusal_kind = "permission";
+		refused("mountpoint '%s' refused: %s", path, reason(errno));
 	}
-	return cur;
+	return fd;
 }
 
 /* First of all, what shows whether Allocate gave this namespace broker mode: the
@@ -1083,38 +1020,6 @@ static void unmount_op(int proc, const struct fields *req)
 	    == -1)
 		failed("umount");
 	say("status", "ok", "mnt_id", id, NULL);
-}
-
-/* Moves this process into the caller's cgroups (FUSE_BROKER_CGROUPS: "NAME=FD ...",
- * each FD its cgroup.procs opened by the broker) and closes them. NULL, or why one move
- * failed: the request is then refused once it has been read (the broker may still be
- * sending it), and none runs in the broker's cgroups. */
-static const char *join_cgroups(void)
-{
-	static char why[160];
-	const char *list = getenv("FUSE_BROKER_CGROUPS");
-
-	while (list && *list) {
-		size_t len = strcspn(list, "=");
-		char *end;
-		long fd;
-
-		errno = 0;
-		fd = strtol(list + len + (list[len] == '='), &end, 10);
-		if (len == 0 || len > 40 || list[len] != '=' || errno || end == list + len + 1
-		    || fd < 0 || fd > (1 << 20)) {
-			snprintf(why, sizeof(why), "bad FUSE_BROKER_CGROUPS from the broker");
-			return why;
-		}
-		if (write((int)fd, "0", 1) != 1) {
-			snprintf(why, sizeof(why), "cannot run the helper in the caller's %.*s "
-				 "cgroup: %s", (int)len, list, strerror(errno));
-			return why;
-		}
-		close((int)fd);
-		list = end + strspn(end, " ");
-	}
-	return NULL;
 }
 
 int main(int argc, char *argv[])

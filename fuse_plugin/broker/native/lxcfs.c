@@ -88,31 +88,6 @@ _Noreturn static void finish(const char *word, const char *format, ...)
 
 #include "mounts.h"
 
-/* An O_PATH fd of an absolute directory, one component at a time from the namespace's
- * root, with no symlink of any kind and never above the root. */
-static int walk(const char *path)
-{
-	char copy[256], *save = NULL;
-	int cur = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
-
-	if (cur == -1)
-		failed("open the namespace root");
-	snprintf(copy, sizeof(copy), "%s", path);
-	for (char *name = strtok_r(copy + 1, "/", &save); name;
-	     name = strtok_r(NULL, "/", &save)) {
-		struct open_how_ how = { O_PATH | O_DIRECTORY | O_CLOEXEC, 0,
-					 RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS |
-					 RESOLVE_BENEATH };
-		int fd = (int)syscall(SYS_openat2_, cur, name, &how, sizeof(how));
-		if (fd == -1)
-			refused("%s cannot be reached in the container without a symlink: %s",
-				path, strerror(errno));
-		close(cur);
-		cur = fd;
-	}
-	return cur;
-}
-
 /* Step 1, in lxcfs's namespace: a detached, read-only clone of each of its files. */
 static void clone_sources(int proc, int trees[COUNT])
 {
@@ -139,25 +114,49 @@ static void clone_sources(int proc, int trees[COUNT])
 	}
 }
 
-/* Step 2: the lxcfs binds already on the file, top first, and nothing under another. */
-static void remove_stale(int proc, struct table *t, const char *path)
+/* Detaches the mount an O_PATH fd is at the root of: through the broker's /proc
+ * (self/fd/N), so no path in the container is looked up again. */
+static int detach(int proc, int fd)
+{
+	char self[32];
+
+	snprintf(self, sizeof(self), "self/fd/%d", fd);
+	if (fchdir(proc) == -1)
+		return -1;
+	return umount2(self, MNT_DETACH);
+}
+
+/* Step 2: the lxcfs binds already on the file, top first, and nothing under another;
+ * each reached from its directory's fd, never by a path. */
+static void remove_stale(int proc, struct table *t, int dir, const struct target *to,
+			 const char *path)
 {
 	for (int n = 0;; n++) {
 		const struct mount *m;
+		int fd;
+
 		read_table(proc, t);
 		m = find_point(t, path);
 		if (!m || strcmp(m->fstype, LXCFS_TYPE) != 0)
 			return;
 		if (n == MAX_STALE)
 			refused("more than %d lxcfs mounts are stacked on %s", MAX_STALE, path);
-		if (umount2(path, MNT_DETACH | UMOUNT_NOFOLLOW_) == -1)
+		fd = open_one(dir, to->name);
+		if (fd == -1)
+			failed("open a stale lxcfs bind");
+		if (mount_id_of(fd) != m->id)
+			refused("%s changed while the stale lxcfs binds were removed", path);
+		if (detach(proc, fd) == -1)
 			failed("umount a stale lxcfs bind");
+		close(fd);
 	}
 }
 
-/* Step 3: the file's directory is on the namespace's own procfs (sysfs) mount and
- * nothing the broker did not make covers the file; then the clone goes on it. */
-static void bind_one(int proc, const struct target *to, int tree)
+/* Steps 2 and 3 for one file, binding nothing: its directory, reached by the shared walk
+ * (never into a FUSE mount: a tenant's daemon could hold this process in the kernel),
+ * is on the namespace's own procfs (sysfs) mount, and nothing the broker did not make
+ * covers the file. Returns the directory's fd, where the clone goes. */
+static int prepare(int proc, const struct target *to)
 {
 	struct table t = { 0 };
 	char path[256];
@@ -165,26 +164,46 @@ static void bind_one(int proc, const struct target *to, int tree)
 	int fd;
 
 	snprintf(path, sizeof(path), "%s/%s", to->dir, to->name);
-	remove_stale(proc, &t, path);
+	read_table(proc, &t);
 	base = find_point(&t, to->on);
 	if (!base || strcmp(base->fstype, to->fstype) != 0)
 		refused("the container's %s is not a %s mount", to->on, to->fstype);
+	fd = walk_beneath(&t, to->dir, 1);
+	if (fd == -1)
+		refused("%s cannot be reached in the container without a symlink: %s", to->dir,
+			strerror(errno));
+	check_walkable(&t, fd, to->dir);
+	remove_stale(proc, &t, fd, to, path);
+	base = find_point(&t, to->on);
+	dir = find_id(&t, mount_id_of(fd));
+	if (!base || !dir || dir->id != base->id)
+		refused("%s is not on the container's %s mount at %s", to->dir, to->fstype, to->on);
 	top = find_point(&t, path);
 	if (top)
 		refused("%s is covered by a %s mount the broker did not make", path, top->fstype);
-	fd = walk(to->dir);
-	dir = find_id(&t, mount_id_of(fd));
-	if (!dir || dir->id != base->id)
-		refused("%s is not on the container's %s mount at %s", to->dir, to->fstype, to->on);
 	if (dir->shared)
 		refused("the container's %s mount is shared with a peer group: a bind on it "
 			"would propagate", to->on);
-	if (syscall(SYS_move_mount_, tree, "", fd, to->name, MOVE_MOUNT_F_EMPTY_PATH) == -1)
-		finish("failed", "bind lxcfs over %s: %s", path, strerror(errno));
-	close(fd);
-	close(tree);
 	free(t.text);
 	free(t.mounts);
+	return fd;
+}
+
+/* Step 3's binds, all or none: every file was prepared first, and a bind that fails
+ * takes the ones before it away again (a refusal at the eighth file leaves no seven
+ * behind, unrecorded). */
+static void bind_all(int proc, const int dirs[COUNT], const int trees[COUNT])
+{
+	for (size_t i = 0; i < COUNT; i++) {
+		if (syscall(SYS_move_mount_, trees[i], "", dirs[i], TARGETS[i].name,
+			    MOVE_MOUNT_F_EMPTY_PATH) == 0)
+			continue;
+		int err = errno;
+		for (size_t j = 0; j < i; j++)
+			detach(proc, trees[j]);
+		finish("failed", "bind lxcfs over %s/%s: %s", TARGETS[i].dir, TARGETS[i].name,
+		       strerror(err));
+	}
 }
 
 static int fd_arg(const char *text)
@@ -199,10 +218,13 @@ static int fd_arg(const char *text)
 
 int main(int argc, char *argv[])
 {
-	int trees[COUNT], proc, source, target;
+	int trees[COUNT], dirs[COUNT], proc, source, target;
 	struct table t = { 0 };
 	const struct mount *mark;
+	const char *uncharged = join_cgroups(); /* first: all that follows is the caller's */
 
+	if (uncharged)
+		refused("%s; the broker runs no tool outside its caller's cgroups", uncharged);
 	if (argc != 5)
 		finish("failed", "%s", "usage: fuse-broker-lxcfs MARK_DEV MARK_ROOT "
 		       "LXCFS_MNTNS_FD TARGET_MNTNS_FD (the broker runs it)");
@@ -223,6 +245,7 @@ int main(int argc, char *argv[])
 			"/run/fuse-broker bind of the broker's directory in its mount namespace); "
 			"request github.com/fuse in its own resources");
 	for (size_t i = 0; i < COUNT; i++)
-		bind_one(proc, &TARGETS[i], trees[i]);
+		dirs[i] = prepare(proc, &TARGETS[i]);
+	bind_all(proc, dirs, trees);
 	finish("ok", "%zu files", COUNT);
 }

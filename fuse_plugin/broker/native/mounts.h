@@ -1,8 +1,10 @@
 /*
  * What fuse-broker-helper (helper.c) and fuse-broker-lxcfs (lxcfs.c) share: the uapi
- * numbers musl's headers lack, statx, and a mount namespace's table read through the
- * broker's own /proc. Both are static programs built from one .c file each
- * (scripts/build-native); this header is included, not linked.
+ * numbers musl's headers lack, statx, a mount namespace's table read through the
+ * broker's own /proc, the one walk by which either resolves a path in a tenant's
+ * namespace, and the move into the caller's cgroups that comes before anything else.
+ * Both are static programs built from one .c file each (scripts/build-native); this
+ * header is included, not linked.
  *
  * The including program defines, before it:
  *   finish(status, format, ...)  reports "refused" (a rule) or "failed" (the system)
@@ -12,8 +14,10 @@
 #ifndef FUSE_BROKER_MOUNTS_H
 #define FUSE_BROKER_MOUNTS_H
 
+#include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -23,6 +27,11 @@
 /* Where Allocate binds the broker's directory in a container (protocol.CONTAINER_DIR;
  * a unit test keeps them equal). */
 #define BROKER_DIR "/run/fuse-broker"
+/* Mount types never looked inside (policy.NO_WALK; a unit test keeps them equal); an
+ * entry ending in '.' is a prefix. Built in, not sent: no message can leave it out. A
+ * lookup in one asks a daemon the tenant runs, which may never answer: the asking
+ * process then waits in the kernel, past any signal, for as long as the tenant likes. */
+#define NO_WALK "fuse,fuse.,fuseblk,fuseblk.,autofs"
 
 /* The new mount API and friends (uapi values; one number on every architecture). */
 #define SYS_move_mount_ 429
@@ -200,6 +209,114 @@ static const struct mount *find_point(const struct table *t, const char *point)
 		if (strcmp(t->mounts[i].point, point) == 0)
 			found = &t->mounts[i];
 	return found;
+}
+
+/* Is fstype in the comma-separated list? An entry ending in '.' matches a prefix. */
+static int listed(const char *list, const char *fstype)
+{
+	const char *p = list;
+
+	while (*p) {
+		size_t len = strcspn(p, ",");
+		if (len && (p[len - 1] == '.' ? strncmp(fstype, p, len) == 0
+					 : strlen(fstype) == len && strncmp(fstype, p, len) == 0))
+			return 1;
+		p += len + (p[len] == ',');
+	}
+	return 0;
+}
+
+/* Looking up a name in a directory asks its filesystem: refuse before asking one whose
+ * type is in NO_WALK (a FUSE daemon can stall any lookup, an automounter too). */
+static void check_walkable(const struct table *t, int dir, const char *path)
+{
+	const struct mount *m = find_id(t, mount_id_of(dir));
+
+	if (!m)
+		finish("refused", "'%s' refused: the mount table changed while it was resolved",
+		       path);
+	if (listed(NO_WALK, m->fstype))
+		finish("refused", "'%s' is at or inside the %s mount at '%s': the broker does not "
+		       "resolve paths through it", path, m->fstype, m->point);
+}
+
+/* One component, no symlink of any kind, never above dir. O_PATH without O_DIRECTORY
+ * neither opens the file nor triggers an automount. */
+static int open_one(int dir, const char *name)
+{
+	struct open_how_ how = { O_PATH | O_CLOEXEC, 0,
+				 RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH };
+
+	return (int)syscall(SYS_openat2_, dir, name, &how, sizeof(how));
+}
+
+/* The one walk of both programs: path, absolute, from the root of the mount namespace
+ * this process is in (setns made it the root), one component at a time, refusing to
+ * look inside any mount of a NO_WALK type (t is that namespace's table). Returns an
+ * O_PATH fd of what it reached (with whole == 0, of the last component's parent: the
+ * caller names the last component itself), or -1 with errno when a component cannot
+ * be opened: the including program says why in its own words. */
+static int walk_beneath(const struct table *t, const char *path, int whole)
+{
+	char copy[4096], *save = NULL, *name, *next;
+	int cur = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+
+	if (cur == -1)
+		failed("open the namespace root");
+	if (strlen(path) >= sizeof(copy) || path[0] != '/')
+		finish("failed", "bad path from the broker: '%.100s'", path);
+	strcpy(copy, path);
+	name = strtok_r(copy + 1, "/", &save);
+	while (name) {
+		int fd, err;
+		next = strtok_r(NULL, "/", &save);
+		check_walkable(t, cur, path);
+		if (!next && !whole)
+			return cur;
+		fd = open_one(cur, name);
+		err = errno;
+		close(cur);
+		if (fd == -1) {
+			errno = err;
+			return -1;
+		}
+		cur = fd;
+		name = next;
+	}
+	return cur;
+}
+
+/* Moves this process into the caller's cgroups (FUSE_BROKER_CGROUPS: "NAME=FD ...",
+ * each FD its cgroup.procs opened by the broker, fuse_plugin/broker/cgroups.py) and
+ * closes them: what it allocates and the CPU it spends from then on are the caller's.
+ * Called first, before anything a tenant can make costly. NULL, or why one move
+ * failed: the program then refuses, and runs nothing in the broker's cgroups. */
+static const char *join_cgroups(void)
+{
+	static char why[160];
+	const char *list = getenv("FUSE_BROKER_CGROUPS");
+
+	while (list && *list) {
+		size_t len = strcspn(list, "=");
+		char *end;
+		long fd;
+
+		errno = 0;
+		fd = strtol(list + len + (list[len] == '='), &end, 10);
+		if (len == 0 || len > 40 || list[len] != '=' || errno || end == list + len + 1
+		    || fd < 0 || fd > (1 << 20)) {
+			snprintf(why, sizeof(why), "bad FUSE_BROKER_CGROUPS from the broker");
+			return why;
+		}
+		if (write((int)fd, "0", 1) != 1) {
+			snprintf(why, sizeof(why), "cannot run the helper in the caller's "
+				 "%.*s cgroup: %s", (int)len, list, strerror(errno));
+			return why;
+		}
+		close((int)fd);
+		list = end + strspn(end, " ");
+	}
+	return NULL;
 }
 
 #endif
