@@ -33,3 +33,29 @@ def test_a_pods_share_of_the_nodes_mounts() -> None:
     policy.room_in_pod(5, 6, "/kubepods/podx")
     with pytest.raises(policy.Refused, match=r"already holds 6 .*--max-mounts-pod 6"):
         policy.room_in_pod(6, 6, "/kubepods/podx")
+
+
+SYSTEMD_POD = ("/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod"
+               f"{UID.replace('-', '_')}.slice")
+STATIC_POD = "/kubepods/besteffort/pod6f1c8a3d9e2b4a7c8d9e0f1a2b3c4d5e"  # a config hash
+
+
+@pytest.mark.parametrize(("cgroup", "container"), [
+    (f"/kubepods/burstable/pod{UID}/abc123", f"/kubepods/burstable/pod{UID}/abc123"),
+    (f"{SYSTEMD_POD}/cri-containerd-abc.scope", f"{SYSTEMD_POD}/cri-containerd-abc.scope"),
+    (f"{STATIC_POD}/abc", f"{STATIC_POD}/abc"),
+    # cgroups a tenant made below its container's, with names of its choosing
+    (f"/kubepods/pod{UID}/abc123/split0", f"/kubepods/pod{UID}/abc123"),
+    (f"/kubepods/pod{UID}/abc123/pod{UID}/x/y", f"/kubepods/pod{UID}/abc123"),
+    (f"{SYSTEMD_POD}/cri-containerd-abc.scope/a.slice/kubepods-pod1.slice/b",
+     f"{SYSTEMD_POD}/cri-containerd-abc.scope"),
+    # outside any pod: the cgroup's first component
+    ("/fuse-e2e-attacker1-1234abcd", "/fuse-e2e-attacker1-1234abcd"),
+    ("/fuse-e2e-attacker1-1234abcd/mine", "/fuse-e2e-attacker1-1234abcd"),
+    ("/system.slice/containerd.service", "/system.slice"),
+    ("/", "/"),
+])
+def test_a_container_is_the_cgroup_below_its_pods_whatever_the_tenant_makes(
+        cgroup: str, container: str) -> None:
+    assert policy.container_of(cgroup) == container
+    assert policy.pod_of(policy.container_of(cgroup)) == policy.pod_of(container)
