@@ -174,9 +174,10 @@ def _header(preset: presets.Preset, name: str, command: str) -> list[str]:
         lines += [
             "# The container runtime's default confinement, except for the mounts below: the",
             "# ones a rootless build makes in mount namespaces of its own user namespaces.",
-            "# For pods with hostUsers: false and no capabilities only. No user namespace",
-            "# rule: compiled by AppArmor 3.0 (the installer's) it does not mediate user",
-            "# namespaces at all (docs/profiles.md, rootless-build).",
+            "# For pods with hostUsers: false only, adding no capabilities (or SETUID and",
+            "# SETGID for newuidmap and newgidmap: builds with more than one uid). No user",
+            "# namespace rule: compiled by AppArmor 3.0 (the installer's) it does not",
+            "# mediate user namespaces at all (docs/profiles.md, rootless-build).",
             "",
         ]
     else:
