@@ -11,18 +11,33 @@ The controls show what makes it work: the same preset without what it adds to th
 runtime default fails at buildah's first step with the error a 1.37 cluster showed under
 RuntimeDefault, and the masked /proc of ``procMount: Default`` fails the first RUN step.
 No /dev/fuse: the kernel's overlay mounts in the build's own user namespace (and
-fuse-overlayfs, with the pod's /dev/fuse, where it cannot). What differs from a node: the
-image is this machine's /usr (its buildah 1.28, podman 4.3, runc 1.1), and no AppArmor
-(this kernel has none).
+fuse-overlayfs, with the pod's /dev/fuse, where it cannot).
+
+More than one uid (issue 48): manifests/examples/rootless-build-users/ the same way. Its
+Containerfile makes a user (1001), chowns its files to it and switches to it with USER;
+uid 1000 (no capability in effect; SETUID and SETGID added to its bounding set, privilege
+escalation allowed) has the image's newuidmap and newgidmap map /etc/subuid's and
+/etc/subgid's ranges, and both images run as that user. The controls take each addition
+away: the build then maps one uid and the Containerfile's chown fails with issue 48's
+error, as it does in the first example's pod.
+
+What differs from a node: the image is this machine's /usr (its buildah 1.28, podman 4.3,
+runc 1.1, and Debian 12's newuidmap and newgidmap, as in the example's image), with the
+image's newuidmap and newgidmap as a node shows them (owned by the pod's root, with the
+file capabilities the example's Dockerfile gives them: ``id_mappers``) bound over its own,
+for both examples; and no AppArmor (this kernel has none).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import os
 import re
 import shutil
+import struct
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -100,28 +115,70 @@ def empty_dir(path: Path) -> Path:
     return path
 
 
+CAP_SETGID, CAP_SETUID = 6, 7
+# struct vfs_ns_cap_data (linux/capability.h): a version 3 file capability, effective,
+# one permitted capability, and the user namespace root it belongs to.
+VFS_CAP_REVISION_3, VFS_CAP_FLAGS_EFFECTIVE = 0x03000000, 0x000001
+
+
+def id_mappers(runc: oci.Runc, how: str = "file-capability") -> list[oci.Bind]:
+    """The image's newuidmap and newgidmap as a user-namespaced pod sees them on a node,
+    bound over the stand-in image's: owned by the pod's root (the runtime shows the
+    image's root files through an idmapped mount), with the file capability
+    manifests/examples/rootless-build/Dockerfile gives each (``file-capability``: cap_setuid,
+    cap_setgid, effective, for the pod's root: what the kernel makes of the image's
+    capability there) or set-uid root as Debian ships them (``set-uid``). The programs
+    are this machine's, Debian 12's uidmap, as in the image."""
+    directory = runc.base / f"image-{how}"
+    directory.mkdir(mode=0o755, exist_ok=True)
+    binds = []
+    for tool, cap in (("newuidmap", CAP_SETUID), ("newgidmap", CAP_SETGID)):
+        mapper = directory / tool
+        binds.append(oci.Bind(mapper, f"/usr/bin/{tool}", readonly=True))
+        if mapper.exists():
+            continue
+        shutil.copyfile(Path("/usr/bin") / tool, mapper)
+        # The owner before the mode and the capability: chown clears both.
+        os.chown(mapper, oci.USERNS_HOST_ID, oci.USERNS_HOST_ID)
+        if how == "set-uid":
+            mapper.chmod(0o4755)
+        else:
+            assert how == "file-capability"
+            mapper.chmod(0o755)
+            os.setxattr(mapper, "security.capability", struct.pack(
+                "<6I", VFS_CAP_REVISION_3 | VFS_CAP_FLAGS_EFFECTIVE, 1 << cap, 0, 0, 0,
+                oci.USERNS_HOST_ID))
+    return binds
+
+
 def builder(runc: oci.Runc, context: Path, profile: str | dict[str, object], *,
-            proc_unmasked: bool = True, cgroup2: Path | None = None,
-            allocation: api.ContainerAllocateResponse | None = None) -> oci.RuncContainer:
-    """The example's container: its uid, capabilities, privilege escalation, procMount,
-    environment and volumes, with the given seccomp profile; ``cgroup2`` is bound over
-    /sys/fs/cgroup, read-only; ``allocation`` is the plugin's answer for a container that
-    also asks for ``github.com/fuse``."""
-    sc = CONTAINER["securityContext"]
-    volumes = {v["name"]: v for v in pod_spec(POD)["volumes"]}
-    binds = [oci.Bind(context, m["mountPath"], readonly=True) if "configMap" in volumes[
-        m["name"]] else oci.Bind(empty_dir(runc.base / m["name"]), m["mountPath"])
-        for m in CONTAINER["volumeMounts"]]
+            pod: Doc = POD, security: Doc | None = None, proc_unmasked: bool = True,
+            cgroup2: Path | None = None, allocation: api.ContainerAllocateResponse | None = None,
+            image: Sequence[oci.Bind] | None = None) -> oci.RuncContainer:
+    """An example's container (``pod``'s one): its uid, capabilities, privilege
+    escalation, procMount, environment and volumes (a ConfigMap's ``subPath`` as that
+    file), with the given seccomp profile; ``security`` instead of its securityContext;
+    ``cgroup2`` is bound over /sys/fs/cgroup, read-only; ``allocation`` is the plugin's
+    answer for a container that also asks for ``github.com/fuse``; ``image`` are files
+    bound over the stand-in image's, by default the example image's newuidmap and
+    newgidmap (``id_mappers``)."""
+    [container] = containers(pod)
+    sc = container["securityContext"] if security is None else security
+    volumes = {v["name"]: v for v in pod_spec(pod)["volumes"]}
+    binds = [oci.Bind(context / m.get("subPath", ""), m["mountPath"], readonly=True)
+             if "configMap" in volumes[m["name"]] else
+             oci.Bind(empty_dir(runc.base / m["name"]), m["mountPath"])
+             for m in container["volumeMounts"]]
     request = oci.ContainerRequest(
         args=["sleep", "infinity"], allocation=allocation,
         user=(sc["runAsUser"], sc["runAsGroup"]),
-        host_users=pod_spec(POD)["hostUsers"], drop_capabilities=tuple(
+        host_users=pod_spec(pod)["hostUsers"], drop_capabilities=tuple(
             sc["capabilities"]["drop"]), add_capabilities=tuple(
-            sc["capabilities"].get("add", [])),
+            f"CAP_{c}" for c in sc["capabilities"].get("add", [])),
         no_new_privileges=not sc["allowPrivilegeEscalation"], seccomp=profile,
         proc_unmasked=proc_unmasked, readonly_rootfs=sc["readOnlyRootFilesystem"],
-        host_network=False, env={e["name"]: e["value"] for e in CONTAINER["env"]},
-        binds=binds)
+        host_network=False, env={e["name"]: e["value"] for e in container["env"]},
+        binds=[*binds, *(id_mappers(runc) if image is None else image)])
     spec = oci.build_spec(request)
     if cgroup2 is not None:
         spec["mounts"].append({"destination": "/sys/fs/cgroup", "type": "bind",
@@ -313,3 +370,135 @@ def test_each_addition_is_needed(context: Path, runc: oci.Runc, name: str) -> No
     assert result.returncode != 0
     assert NEEDED[name] in result.output
     assert "RAN podman:" not in result.output
+
+
+# -- more than one uid: manifests/examples/rootless-build-users/ (issue 48) ----------------
+
+USERS_EXAMPLE = EXAMPLES / "rootless-build-users" / "build-pod.yaml"
+USERS_POD = one(USERS_EXAMPLE, "Pod")
+USERS_CONFIGMAP = one(USERS_EXAMPLE, "ConfigMap")
+[USERS_CONTAINER] = containers(USERS_POD)
+# What each image's CMD prints, as the script's `RAN` lines join it: the uid and name it
+# runs as (the Containerfile's USER), the owner of a file a RUN step wrote as that user
+# and of one COPY --chown gave it, and that file.
+USERS_OUTPUT = "1001 app app:app app:app written by app "
+# The one-uid error of issue 48: the Containerfile's chown when the build maps one uid.
+ONE_UID = "chown: /home/app: Invalid argument"
+# The build's ids (buildah unshare's uid_map and gid_map): uid 1000 as its root, then
+# /etc/subuid's ranges. The pod's root is not among them.
+BUILD_MAP = [["0", "1000", "1"], ["1", "1", "999"], ["1000", "1001", "64535"]]
+USERS_FACTS = """
+echo "CAPS $(sed -n 's/^CapEff:[[:space:]]*//p' /proc/self/status)"
+echo "BOUND $(sed -n 's/^CapBnd:[[:space:]]*//p' /proc/self/status)"
+echo "BUILD_UIDMAP $(buildah unshare cat /proc/self/uid_map | tr -s ' \\n' ' ')"
+echo "BUILD_GIDMAP $(buildah unshare cat /proc/self/gid_map | tr -s ' \\n' ' ')"
+"""
+
+
+@pytest.fixture(scope="module")
+def users_context(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    for tool in ("buildah", "podman", "runc", "busybox", "newuidmap", "newgidmap"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} is not installed: scripts/install --dev installs it from "
+                        "scripts/apt-packages.txt")
+    return configmap_volume(tmp_path_factory.mktemp("configmap-users"),
+                            USERS_CONFIGMAP["data"])
+
+
+def users_build(runc: oci.Runc, context: Path, *, pod: Doc = USERS_POD,
+                security: Doc | None = None, how: str = "file-capability",
+                cgroup2: Path | None = None, then: str = "") -> oci.Result:
+    container = builder(runc, context, profiles.render_seccomp(profile_of(USERS_CONTAINER)),
+                        pod=pod, security=security, cgroup2=cgroup2,
+                        image=id_mappers(runc, how))
+    return build(container, then)
+
+
+def test_users_example_runs_its_script_under_the_same_profiles_and_image() -> None:
+    """The second example differs from the first only where issue 48 needs it."""
+    assert USERS_CONTAINER["command"] == CONTAINER["command"]
+    assert USERS_CONTAINER["image"] == CONTAINER["image"]
+    ours, theirs = USERS_CONTAINER["securityContext"], CONTAINER["securityContext"]
+    assert {k: v for k, v in ours.items() if v != theirs.get(k)} == {
+        "allowPrivilegeEscalation": True,
+        "capabilities": {"drop": ["ALL"], "add": ["SETUID", "SETGID"]}}
+    assert set(ours) == set(theirs)
+    mounts = {m["mountPath"]: m.get("subPath") for m in USERS_CONTAINER["volumeMounts"]}
+    assert mounts["/etc/subuid"] == "subuid"
+    assert mounts["/etc/subgid"] == "subgid"
+
+
+@pytest.mark.parametrize("cgroups", ["this-machine", "v2"])
+def test_buildah_and_podman_build_an_image_with_a_user_of_its_own_and_run_it_as_that_user(
+        users_context: Path, runc: oci.Runc, request: pytest.FixtureRequest,
+        cgroups: str) -> None:
+    """The Containerfile adds a user (1001), chowns its files to it, COPYs with
+    --chown, switches to it with USER and writes a file as it; each tool builds it and
+    the image runs as that user. uid 1000 holds no capability itself; the build's ids are
+    uid 1000 and the subordinate ranges inside the pod's, never the pod's root."""
+    hierarchy = request.getfixturevalue("cgroup2") if cgroups == "v2" else None
+    result = users_build(runc, users_context, cgroup2=hierarchy, then=USERS_FACTS)
+    print(f"\n[more than one uid] rc={result.returncode}\n{result.stdout[-4000:]}"
+          f"\n{result.stderr[-2000:]}")
+    result.check()
+    out = result.stdout
+    for step in ("STEP 2/6: RUN echo 'app:x:1001:1001::/home/app:/bin/sh' >> /etc/passwd",
+                 "STEP 3/6: COPY --chown=app:app hello.txt /home/app/hello.txt",
+                 "STEP 4/6: USER app",
+                 'STEP 5/6: RUN echo "written by $(id -un)" > /data/note.txt'):
+        assert sum(line.startswith(step) for line in out.splitlines()) == 2, step
+    assert tagged(out, "RAN buildah:") == USERS_OUTPUT
+    assert tagged(out, "RAN podman:") == USERS_OUTPUT
+    assert "Falling back to single mapping" not in result.output
+    # No capability in effect; SETUID and SETGID only bound what newuidmap may gain.
+    assert tagged(out, "CAPS") == "0000000000000000"
+    assert int(tagged(out, "BOUND"), 16) == 1 << CAP_SETUID | 1 << CAP_SETGID
+    for tag in ("BUILD_UIDMAP", "BUILD_GIDMAP"):
+        assert tagged(out, tag).split() == [i for line in BUILD_MAP for i in line], tag
+    # On the node, the file the image's user wrote belongs to the pod's uid 1002 (the
+    # build's 1001): one of the pod's ids, not the pod's root and not a node's user.
+    notes = list((runc.base / "build" / "storage" / "overlay").glob("*/diff/data/note.txt"))
+    assert notes
+    assert {note.stat().st_uid for note in notes} == {oci.USERNS_HOST_ID + 1002}
+
+
+# Each thing the second example adds, taken away, and what buildah or newuidmap then
+# says; buildah maps one uid instead and the Containerfile's chown fails (issue 48).
+NO_RANGES = "Found no UID ranges set aside for user"
+WITHOUT = {
+    # The first example's pod and security context as they are.
+    "one-uid-example": NO_RANGES,
+    "subordinate-ids": NO_RANGES,
+    "privilege-escalation": "newuidmap: write to uid_map failed: Operation not permitted",
+    # A file capability beyond the bounding set: the kernel refuses the exec itself.
+    "capabilities": "fork/exec /usr/bin/newuidmap: operation not permitted",
+    # Debian's set-uid root newuidmap: the pod's root, without CAP_DAC_OVERRIDE.
+    "file-capability": "newuidmap: open of uid_map failed: Permission denied",
+}
+
+
+@pytest.mark.parametrize("name", sorted(WITHOUT))
+def test_without_each_addition_the_build_maps_one_uid_and_the_chown_fails(
+        users_context: Path, runc: oci.Runc, name: str) -> None:
+    pod, security, how = USERS_POD, None, "file-capability"
+    if name == "one-uid-example":
+        pod = POD
+    elif name == "privilege-escalation":
+        security = {**USERS_CONTAINER["securityContext"], "allowPrivilegeEscalation": False}
+    elif name == "capabilities":
+        security = {**USERS_CONTAINER["securityContext"], "capabilities": {"drop": ["ALL"]}}
+    elif name == "subordinate-ids":
+        pod = copy.deepcopy(USERS_POD)
+        [container] = containers(pod)
+        container["volumeMounts"] = [m for m in container["volumeMounts"]
+                                     if "subPath" not in m]
+    else:
+        how = "set-uid"
+    result = users_build(runc, users_context, pod=pod, security=security, how=how)
+    print(f"\n[without {name}] rc={result.returncode}: {result.output[-1500:]}")
+    assert result.returncode != 0
+    assert "Successfully tagged localhost/base:latest" in result.output
+    assert 'Error: building at STEP "RUN echo \'app:x:1001:1001' in result.output
+    assert ONE_UID in result.output
+    assert WITHOUT[name] in result.output
+    assert "RAN buildah:" not in result.output
