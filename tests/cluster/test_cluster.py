@@ -708,6 +708,11 @@ ROOTLESS_POD = "rootless-build-example"
 # What the built images print (tests/containers/test_rootless_build.py says why): a RUN
 # step's file from the context's file and the first stage's, as uid 0 of the build.
 ROOTLESS_OUTPUT = "hello from the build context built in stage one 0"
+# manifests/examples/rootless-build-users/ (issue 48): the image's user, the owner of its
+# files, a file it wrote in a RUN step after USER.
+ROOTLESS_USERS = EXAMPLES / "rootless-build-users"
+ROOTLESS_USERS_POD = "rootless-build-users"
+ROOTLESS_USERS_OUTPUT = "1001 app app:app app:app written by app"
 
 
 def test_rootless_build_example_builds_and_runs_as_uid_1000_at_baseline(
@@ -720,34 +725,54 @@ def test_rootless_build_example_builds_and_runs_as_uid_1000_at_baseline(
     namespace enforces `baseline` and warns for `restricted`; the pod, uid 1000 of a
     `hostUsers: false` pod with no capability, builds the Containerfile (FROM, COPY, RUN,
     a second stage) with buildah and with podman, and each built image runs."""
-    ov = tmp_path / "rootless-build"
+    rootless_example(kubectl, api, images, tmp_path, example=ROOTLESS, pod_name=ROOTLESS_POD,
+                     output=ROOTLESS_OUTPUT)
+
+
+def test_rootless_build_users_example_builds_an_image_that_runs_as_its_own_user_at_baseline(
+    deployed: dict[str, Any], kubectl: Kubectl, api: Api, images: dict[str, str],
+    tmp_path: Path
+) -> None:
+    """manifests/examples/rootless-build-users/ (issue 48) the same way: uid 1000 (no
+    capability in effect; SETUID and SETGID added, privilege escalation allowed) maps
+    /etc/subuid's ranges through the image's newuidmap and newgidmap; the Containerfile
+    adds a user, chowns to it and switches to it with USER, and each built image runs as
+    that user (uid 1001)."""
+    rootless_example(kubectl, api, images, tmp_path, example=ROOTLESS_USERS,
+                     pod_name=ROOTLESS_USERS_POD, output=ROOTLESS_USERS_OUTPUT)
+
+
+def rootless_example(kubectl: Kubectl, api: Api, images: dict[str, str], tmp_path: Path, *,
+                     example: Path, pod_name: str, output: str) -> None:
+    """``example`` applied with its image, its pod's `RAN` lines awaited and checked."""
+    ov = tmp_path / example.name
     ov.mkdir()
     for f in ("namespace.yaml", "build-pod.yaml"):
-        (ov / f).write_text((ROOTLESS / f).read_text())
+        (ov / f).write_text((example / f).read_text())
     name, _, tag = images["EXAMPLE_ROOTLESS_BUILD_IMAGE"].rpartition(":")
     write_json(ov / "kustomization.yaml", {
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "resources": ["namespace.yaml", "build-pod.yaml"],
         "images": [{"name": "fuse-example-rootless-build", "newName": name, "newTag": tag}],
-        "patches": without_apparmor("rootless-build/build-pod.yaml")})
-    namespace = yaml.safe_load((ROOTLESS / "namespace.yaml").read_text())["metadata"]["name"]
+        "patches": without_apparmor(f"{example.name}/build-pod.yaml")})
+    namespace = yaml.safe_load((example / "namespace.yaml").read_text())["metadata"]["name"]
     applied = kubectl.run(*APPLY, "-k", str(ov))
     try:
         def ran() -> str | None:
-            out = kubectl.run("-n", namespace, "logs", ROOTLESS_POD, check=False).stdout
+            out = kubectl.run("-n", namespace, "logs", pod_name, check=False).stdout
             return out if "RAN podman:" in out else None
 
         def failed() -> str:
-            pods = [p for p in api.pods(namespace) if p["metadata"]["name"] == ROOTLESS_POD]
+            pods = [p for p in api.pods(namespace) if p["metadata"]["name"] == pod_name]
             return "\n".join(pod_summary(p) for p in pods) + "\n" + kubectl.run(
-                "-n", namespace, "logs", ROOTLESS_POD, check=False).stdout[-3000:]
+                "-n", namespace, "logs", pod_name, check=False).stdout[-3000:]
 
-        out = wait_for(ran, 600, f"{ROOTLESS_POD} to build and run both images", interval=2,
+        out = wait_for(ran, 600, f"{pod_name} to build and run both images", interval=2,
                        detail=failed)
-        [pod] = [p for p in api.pods(namespace) if p["metadata"]["name"] == ROOTLESS_POD]
+        [pod] = [p for p in api.pods(namespace) if p["metadata"]["name"] == pod_name]
         labels = json.loads(kubectl("get", "namespace", namespace, "-o", "json"))[
             "metadata"]["labels"]
-        status = exec_in(kubectl, namespace, ROOTLESS_POD,
+        status = exec_in(kubectl, namespace, pod_name,
                          "id -u; grep -E '^(CapEff|NoNewPrivs|Seccomp):' /proc/self/status; "
                          "cat /proc/self/uid_map")
         ran_lines = {tool: next((ln.split(":", 1)[1].strip() for ln in out.splitlines()
@@ -755,7 +780,7 @@ def test_rootless_build_example_builds_and_runs_as_uid_1000_at_baseline(
                      for tool in ("buildah", "podman")}
         warnings = [ln for ln in applied.stderr.splitlines() if "PodSecurity" in ln]
         proof = evidence(
-            "rootless-build",
+            example.name,
             *(f"namespace {namespace}: {k}={v}" for k, v in sorted(labels.items())
               if k.startswith("pod-security.kubernetes.io/")),
             *warnings, pod_summary(pod),
@@ -768,9 +793,9 @@ def test_rootless_build_example_builds_and_runs_as_uid_1000_at_baseline(
         assert status.split()[0] == "1000", proof
         assert re.search(r"CapEff:\s+0+\n", status + "\n"), proof
         assert not status.strip().endswith("0 4294967295"), proof
-        assert ran_lines == {"buildah": ROOTLESS_OUTPUT, "podman": ROOTLESS_OUTPUT}, proof
+        assert ran_lines == {"buildah": output, "podman": output}, proof
     finally:
-        delete_pod(kubectl, api, namespace, ROOTLESS_POD)
+        delete_pod(kubectl, api, namespace, pod_name)
         kubectl("delete", "namespace", namespace, "--ignore-not-found", "--wait=false")
 
 
