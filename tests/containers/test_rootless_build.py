@@ -360,6 +360,15 @@ def test_the_list_covers_every_addition() -> None:
                            *(f"enosys-{c}" for c in preset.enosys)}
 
 
+# buildah 1.28 shows its copier subprocess's error only when it has read the subprocess's
+# stderr before the end of its stdout (copier.go: `errors.Is(err, io.EOF) &&
+# errorBuffer.Len() > 0`). On a loaded machine it sometimes has not, and the chroot that
+# failed reads as this instead, at the first step that copies (seen once in 4 runs).
+COPIER_EOF = {"chroot": 'building at STEP "ADD rootfs.tar /": checking on sources under '
+                        '"/var/lib/build/tmp/base": error decoding response from copier '
+                        "subprocess: EOF"}
+
+
 @pytest.mark.parametrize("name", sorted(NEEDED))
 def test_each_addition_is_needed(context: Path, runc: oci.Runc, name: str) -> None:
     """What the preset allows beyond the runtime default, one item at a time: without it
@@ -368,7 +377,7 @@ def test_each_addition_is_needed(context: Path, runc: oci.Runc, name: str) -> No
     result = build(container)
     print(f"\n[without {name}] rc={result.returncode}: {result.output[-1500:]}")
     assert result.returncode != 0
-    assert NEEDED[name] in result.output
+    assert NEEDED[name] in result.output or COPIER_EOF.get(name, NEEDED[name]) in result.output
     assert "RAN podman:" not in result.output
 
 
@@ -501,4 +510,23 @@ def test_without_each_addition_the_build_maps_one_uid_and_the_chown_fails(
     assert 'Error: building at STEP "RUN echo \'app:x:1001:1001' in result.output
     assert ONE_UID in result.output
     assert WITHOUT[name] in result.output
+    assert "RAN buildah:" not in result.output
+
+
+@pytest.mark.usefixtures("users_context")
+def test_a_range_with_the_pods_root_is_refused_by_the_kernel(
+        tmp_path: Path, runc: oci.Runc) -> None:
+    """Whoever writes the ConfigMap cannot map the pod's root into the build: a map that
+    names the parent's uid 0 needs CAP_SETFCAP (Linux 5.12+), which the pod does not
+    add, so newuidmap is refused even for a range /etc/subuid lists, and the build maps
+    one uid."""
+    data = {**USERS_CONFIGMAP["data"], "subuid": "1000:0:1000\n1000:1001:64535\n"}
+    assert data["subuid"] != USERS_CONFIGMAP["data"]["subuid"]
+    (tmp_path / "configmap").mkdir()
+    volume = configmap_volume(tmp_path / "configmap", data)
+    result = users_build(runc, volume)
+    print(f"\n[the pod's root in /etc/subuid] rc={result.returncode}: {result.output[-1500:]}")
+    assert result.returncode != 0
+    assert "newuidmap: write to uid_map failed: Operation not permitted" in result.output
+    assert ONE_UID in result.output
     assert "RAN buildah:" not in result.output
