@@ -89,7 +89,8 @@ def test_a_tenant_fuse_mount_on_the_way_is_never_walked_into(
     found = attack(tenant, "nested-ask", NESTED_UID, "/mnt/stall", "/sys/devices", *ASK)
     answer = found["answer"]
     assert answer["status"] == "error", found
-    assert "broker refused: '/sys/devices/system/cpu' is at or inside the fuse mount at '/sys/devices'" in answer["message"], answer
+    assert ("broker refused: '/sys/devices/system/cpu' is at or inside the fuse mount at "
+            "'/sys/devices'") in answer["message"], answer
     assert found["lxcfs_binds"] == [], found
     # The daemon was never asked a thing by the broker's tool: no LOOKUP, no state D.
     record = Path(f"/proc/{tenant.pid}/root/mnt/record").read_text()
@@ -105,7 +106,8 @@ def test_a_request_refused_at_the_last_file_binds_none(
                    "/sys/devices/system/cpu/online", *ASK)
     answer = found["answer"]
     assert answer["status"] == "error", found
-    assert "broker refused: /sys/devices/system/cpu/online is covered by a" in answer["message"], answer
+    assert "broker refused: /sys/devices/system/cpu/online is covered by a" in \
+        answer["message"], answer
     assert found["lxcfs_binds"] == [], found
 
 

@@ -673,7 +673,7 @@ def in_namespaces(flags: int, outside: int, work: Any) -> dict[str, Any]:
             os.write(ready_w, b"u")
             os.read(mapped_r, 1)
             result = work()
-        except Exception as err:  # noqa: BLE001 - reported, as every command reports
+        except Exception as err:  # reported, as every command reports its outcome
             result = {"status": "error", "message": str(err)}
         os.write(out_w, json.dumps(result).encode())
         os._exit(0)
