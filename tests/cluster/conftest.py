@@ -38,6 +38,7 @@ from tests.cluster.kube import (
     wait_mounted,
 )
 from tests.cluster.sshfs_example import SSHFS_POD, apply_sshfs_example, delete_sshfs_example
+from tests.cluster.vm_node import VmNode
 from tests.cluster.worker import Worker
 from tests.kubelet.node import skip_reason as node_skip_reason
 from tests.kubelet.node import tail
@@ -71,7 +72,8 @@ def evidence_file() -> Path:
 def cluster(request: pytest.FixtureRequest, evidence_file: Path,
             udev_fuse: None) -> Iterator[Cluster]:
     """The module's cluster: one node, or as many as the module's CLUSTER_NODES says
-    (the further ones tests/cluster/worker.py's)."""
+    (the further ones tests/cluster/worker.py's), and the VM node (vm_node.py) where the
+    module's VM_NODE says so."""
     reason = node_skip_reason("cluster stage")
     if reason:
         print(f"SKIPPED cluster stage: {reason}", file=sys.stderr)
@@ -91,6 +93,8 @@ def cluster(request: pytest.FixtureRequest, evidence_file: Path,
     setup_s = time.monotonic() - t0
     c.read_images()
     c.workers = [Worker(c, i) for i in range(2, getattr(request.module, "CLUSTER_NODES", 1) + 1)]
+    if getattr(request.module, "VM_NODE", False):
+        c.workers.append(VmNode(c))
     kubectl_path = find_kubectl()  # after setup.sh, which installs the fallback
     if isinstance(kubectl_path, str):
         c.unlock()

@@ -105,10 +105,11 @@ def manifests_overlay(tmp: Path, image: str) -> Path:
 
 
 def example_overlay(tmp: Path, example: str, image_name: str, image: str,
-                    patches: list[dict[str, Any]]) -> Path:
+                    patches: list[dict[str, Any]], *, apparmor: bool = False) -> Path:
     """One example file with its namespace, its tool image named and the placeholders
     replaced by strategic-merge patches, as the example's comments tell users; and, as
-    they tell users of nodes without AppArmor (this one), `appArmorProfile` removed."""
+    they tell users of nodes without AppArmor (this one), `appArmorProfile` removed,
+    unless ``apparmor`` (for the VM node, which enforces it)."""
     dst = tmp / Path(example).stem
     dst.mkdir(parents=True)
     for f in ["namespace.yaml", example]:
@@ -120,7 +121,8 @@ def example_overlay(tmp: Path, example: str, image_name: str, image: str,
         "namespace": EXAMPLES_NS,
         "resources": ["namespace.yaml", example],
         "images": [{"name": image_name, "newName": name, "newTag": tag}],
-        "patches": [{"patch": json.dumps(p)} for p in patches] + without_apparmor(example),
+        "patches": [{"patch": json.dumps(p)} for p in patches]
+        + ([] if apparmor else without_apparmor(example)),
     })
     return dst
 

@@ -55,7 +55,8 @@ UPLINK = "uplink"
 
 class Worker(nodemod.Node):
     """One more node: ``index`` 2 is named ``<cluster node>2``, has the address .2 on the
-    cluster's /24 and its pods .130-.250 (the first node's are .10-.127)."""
+    cluster's /24 and its pods .130-.199 (the first node's are .10-.127, the VM node's
+    .200-.250)."""
 
     stop_order = ("kubelet", "containerd", HOLDER)
 
@@ -131,7 +132,7 @@ class Worker(nodemod.Node):
             self.run_inside("ip", *cmd)
         prefix = clustermod.NODE_IP.rsplit(".", 1)[0]
         clustermod.write_cni_config(self.cni_dirs()[1], self.state / "cni" / "ipam",
-                                    f"{prefix}.130", f"{prefix}.250")
+                                    f"{prefix}.130", f"{prefix}.199")
 
     def make_cgroups(self) -> None:
         """The kubelet's cgroup root in every hierarchy: the kubelet refuses a root that
