@@ -24,18 +24,32 @@ from tests.cluster import servers as servermod
 from tests.cluster.cluster import NODE_NAME, Api, Cluster, Kubectl
 from tests.cluster.kube import (
     APPLY,
+    BROKER_DS,
     EXAMPLES_NS,
     INSTALLER_DS,
     PLUGIN_DS,
+    PLUGIN_NS,
     PLUGIN_SELECTOR,
     evidence,
     exec_in,
+    manifests_overlay,
     one_ready_per_node,
     pod_summary,
     rollout,
     wait_mounted,
 )
 from tests.cluster.sshfs_example import SSHFS_POD, apply_sshfs_example, delete_sshfs_example
+from tests.cluster.test_cluster_broker import (
+    BASELINE,
+    BROKER_SELECTOR,
+    MOUNTPOINT,
+    edit_add_component,
+    fuse_line,
+    lines_with,
+    pod_log,
+    round_trip,
+    unmount,
+)
 from tests.cluster.vm_node import VmNode
 from tests.kubelet.node import tail, wait_for
 
@@ -167,3 +181,44 @@ def test_under_the_runtimes_default_profile_the_same_pod_is_refused_its_mount(
     finally:
         delete_sshfs_example(kubectl, api, name)
 
+
+def test_broker_mode_at_baseline_on_the_vm_node(
+        *, servers: servermod.Servers, on_vm: None, kubectl: Kubectl, api: Api,
+        images: dict[str, str], vm: VmNode, tmp_path: Path) -> None:
+    """The broker component added as the README says, and its one-line example pod
+    (`github.com/fuse: 1`, no capability, RuntimeDefault seccomp and the runtime's
+    default AppArmor profile, which denies mount) at `baseline` on the VM node: libfuse's
+    mount(2) meets seccomp's EPERM before AppArmor's EACCES, runs the shim, and the
+    broker mounts; its helpers are charged in cgroup v2 (the broker says which
+    hierarchies at start)."""
+    overlay = manifests_overlay(tmp_path, images["PLUGIN_IMAGE"])
+    edit_add_component(overlay, "broker")
+    kubectl(*APPLY, "-k", str(overlay))
+    for ds in (BROKER_DS, PLUGIN_DS, INSTALLER_DS):
+        rollout(kubectl, ds)
+    broker = one_ready_per_node(api, BROKER_SELECTOR)[VM]["metadata"]["name"]
+    BASELINE.apply(kubectl, tmp_path, servers, images)
+    try:
+        mounted = wait_mounted(kubectl, api, BASELINE.name, MOUNTPOINT, "fuse.sshfs",
+                               namespace=BASELINE.namespace)
+        pod = next(p for p in api.pods(BASELINE.namespace)
+                   if p["metadata"]["name"] == BASELINE.name)
+        data = round_trip(kubectl, BASELINE, MOUNTPOINT, "vm")
+        confined = BASELINE.sh(kubectl, "cat /proc/self/attr/current")
+        line = fuse_line(kubectl, BASELINE, MOUNTPOINT)
+        log = pod_log(kubectl, PLUGIN_NS, broker)
+        serving = lines_with(log, " broker.serving ")
+        mounts = lines_with(log, " broker.mount ", pod["metadata"]["uid"])
+        gone = unmount(kubectl, BASELINE, MOUNTPOINT)
+        proof = evidence("vm-node", f"broker example on {pod['spec'].get('nodeName')}: "
+                         f"{mounted}", *data, f"AppArmor: {confined}", *serving[-1:],
+                         *mounts, gone)
+        assert pod["spec"].get("nodeName") == VM, proof
+        assert confined.startswith("cri-containerd.apparmor.d"), proof
+        assert "nosuid" in line.split()[5], proof
+        assert serving, proof
+        assert "unified" in serving[-1], proof
+        assert len(mounts) == 1, proof
+        assert "rc=0" in gone, proof
+    finally:
+        BASELINE.delete(kubectl, api)

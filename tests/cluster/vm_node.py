@@ -29,10 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 from tests.cluster import cluster as clustermod
 from tests.cluster.cluster import Cluster, node_ready
+from tests.cluster.worker import further_kubelet_argv, issue_node_pki
 from tests.kubelet import node as nodemod
 from tests.kubelet.node import log, tail, wait_for
 
@@ -112,33 +111,15 @@ class VmNode(nodemod.Node):
 
     # ---- what the guest is given
     def make_pki(self) -> None:
-        p = self.cluster.pki
-        p.issue(f"{self.node_name}-serving", self.node_name, server=True,
-                sans=(f"DNS:{self.node_name}", f"IP:{self.node_ip}"))
-        p.kubeconfig(self.node_name, clustermod.SERVER, p.issue(
-            self.node_name, f"system:node:{self.node_name}", orgs=("system:nodes",)))
+        issue_node_pki(self.cluster, self.node_name, self.node_ip)
 
     def kubelet_argv(self) -> list[str]:
         """The first node's kubelet, with this node's name, address, certificate and
-        runtime; its cgroups the guest kernel's own (v2, no cgroup root of its own)."""
-        argv = self.cluster.kubelet_argv()
-        first = self.cluster.state / "kubelet-config.yaml"
-        cfg = yaml.safe_load(first.read_text())
-        pki = self.cluster.pki.root
-        cfg.update(address=self.node_ip, healthzBindAddress=self.node_ip,
-                   tlsCertFile=f"{pki}/{self.node_name}-serving.crt",
-                   tlsPrivateKeyFile=f"{pki}/{self.node_name}-serving.key")
-        cfg.pop("failCgroupV1", None)  # a v2 node needs no leave to run on v1
-        mine = self.node_dir / "kubelet-config.yaml"
-        mine.write_text(yaml.safe_dump(cfg))
-        swap = {f"--config={first}": f"--config={mine}",
-                f"--kubeconfig={pki}/kubelet.kubeconfig":
-                    f"--kubeconfig={pki}/{self.node_name}.kubeconfig"}
-        argv = [swap.get(a, a) for a in argv]
-        drop = ("--hostname-override=", "--node-ip=", "--container-runtime-endpoint=")
-        return [a for a in argv if not a.startswith(drop)] + [
-            f"--hostname-override={self.node_name}", f"--node-ip={self.node_ip}",
-            f"--container-runtime-endpoint=unix://{self.containerd_sock}"]
+        runtime; its cgroups the guest kernel's own (v2, no cgroup root of its own, no
+        leave to run on v1)."""
+        return further_kubelet_argv(self.cluster, self.node_name, self.node_ip,
+                                    self.node_dir / "kubelet-config.yaml",
+                                    self.containerd_sock, failCgroupV1=None)
 
     def write_node_dir(self) -> None:
         d = self.node_dir

@@ -165,33 +165,14 @@ class Worker(nodemod.Node):
 
     # ---- kubelet
     def make_pki(self) -> None:
-        p = self.cluster.pki
-        p.issue(f"{self.node_name}-serving", self.node_name, server=True,
-                sans=(f"DNS:{self.node_name}", f"IP:{self.node_ip}"))
-        p.kubeconfig(self.node_name, clustermod.SERVER, p.issue(
-            self.node_name, f"system:node:{self.node_name}", orgs=("system:nodes",)))
+        issue_node_pki(self.cluster, self.node_name, self.node_ip)
 
     def kubelet_argv(self) -> list[str]:
         """The first node's kubelet, with this node's name, address, certificate and
         cgroup root."""
-        argv = self.cluster.kubelet_argv()
-        first = self.cluster.state / "kubelet-config.yaml"
-        cfg = yaml.safe_load(first.read_text())
-        pki = self.cluster.pki.root
-        cfg.update(address=self.node_ip, healthzBindAddress=self.node_ip,
-                   cgroupRoot=self.cgroup_root,
-                   tlsCertFile=f"{pki}/{self.node_name}-serving.crt",
-                   tlsPrivateKeyFile=f"{pki}/{self.node_name}-serving.key")
-        mine = self.state / "kubelet-config.yaml"
-        mine.write_text(yaml.safe_dump(cfg))
-        swap = {f"--config={first}": f"--config={mine}",
-                f"--kubeconfig={pki}/kubelet.kubeconfig":
-                    f"--kubeconfig={pki}/{self.node_name}.kubeconfig",
-                f"--container-runtime-endpoint=unix://{self.cluster.containerd_sock}":
-                    f"--container-runtime-endpoint=unix://{self.containerd_sock}"}
-        argv = [swap.get(a, a) for a in argv]
-        return [a for a in argv if not a.startswith(("--hostname-override=", "--node-ip="))] + [
-            f"--hostname-override={self.node_name}", f"--node-ip={self.node_ip}"]
+        return further_kubelet_argv(self.cluster, self.node_name, self.node_ip,
+                                    self.state / "kubelet-config.yaml", self.containerd_sock,
+                                    cgroupRoot=self.cgroup_root)
 
     def start_kubelet(self) -> None:
         self.spawn("kubelet", self.kubelet_argv())
@@ -237,6 +218,34 @@ class Worker(nodemod.Node):
 
     def unmount_all(self) -> None:
         """Nothing: this node's mounts are in its own namespace, gone with it."""
+
+
+def issue_node_pki(cluster: Cluster, name: str, ip: str) -> None:
+    """A further node's serving certificate and kubeconfig, from the cluster's CA."""
+    p = cluster.pki
+    p.issue(f"{name}-serving", name, server=True, sans=(f"DNS:{name}", f"IP:{ip}"))
+    p.kubeconfig(name, clustermod.SERVER,
+                 p.issue(name, f"system:node:{name}", orgs=("system:nodes",)))
+
+
+def further_kubelet_argv(cluster: Cluster, name: str, ip: str, config: Path, runtime: Path,
+                         **settings: object) -> list[str]:
+    """The first node's kubelet as a further node's: its name, address, certificates
+    (``issue_node_pki``) and runtime socket, and KubeletConfiguration fields of its own
+    (None removes one); its configuration written to ``config``."""
+    argv = cluster.kubelet_argv()
+    first = cluster.state / "kubelet-config.yaml"
+    pki = cluster.pki.root
+    cfg = yaml.safe_load(first.read_text())
+    cfg.update(address=ip, healthzBindAddress=ip, tlsCertFile=f"{pki}/{name}-serving.crt",
+               tlsPrivateKeyFile=f"{pki}/{name}-serving.key", **settings)
+    config.write_text(yaml.safe_dump({k: v for k, v in cfg.items() if v is not None}))
+    swap = {f"--config={first}": f"--config={config}",
+            f"--kubeconfig={pki}/kubelet.kubeconfig": f"--kubeconfig={pki}/{name}.kubeconfig"}
+    drop = ("--hostname-override=", "--node-ip=", "--container-runtime-endpoint=")
+    return [swap.get(a, a) for a in argv if not a.startswith(drop)] + [
+        f"--hostname-override={name}", f"--node-ip={ip}",
+        f"--container-runtime-endpoint=unix://{runtime}"]
 
 
 def cgroup_hierarchies() -> list[Path]:
