@@ -242,7 +242,7 @@ class VmNode(nodemod.Node):
             "console=ttyS0", "rdinit=/init", "apparmor=1", "security=apparmor",
             "cgroup_no_v1=all", "panic=-1", "loglevel=4", "random.trust_cpu=on",
             f"fdp.node_dir={self.node_dir}",
-            *(f"fdp.share=s{i}:{path}" for i, path in enumerate(shares))])
+            *(f"fdp.share={self.tag(i, path)}:{path}" for i, path in enumerate(shares))])
         argv = [QEMU, "-accel", f"tcg,thread={TCG_THREADS}", "-cpu", "max", "-smp", str(CPUS),
                 "-m", str(MEMORY_MB), "-display", "none", "-monitor", "none",
                 "-no-reboot", "-serial", f"file:{self.logdir / 'console.log'}",
@@ -253,8 +253,14 @@ class VmNode(nodemod.Node):
                 "-drive", f"file={disk},format=raw,if=virtio,snapshot=on"]
         for i, path in enumerate(shares):
             ro = ",readonly=on" if path != self.node_dir else ""
-            argv += ["-virtfs", f"local,path={path},mount_tag=s{i},security_model=none{ro}"]
+            argv += ["-virtfs",
+                     f"local,path={path},mount_tag={self.tag(i, path)},security_model=none{ro}"]
         return argv
+
+    def tag(self, index: int, path: Path) -> str:
+        """A share's 9p tag: w for the node's directory (the guest mounts it uncached: its
+        logs reach the host as they are written), r for the read-only rest."""
+        return f"{'w' if path == self.node_dir else 'r'}{index}"
 
     def running(self) -> bool:
         """Whether the guest still runs; an AssertionError with its console's end if
