@@ -936,10 +936,7 @@ static void verify(int proc, int mnt, const struct fields *v, uid_t uid, gid_t g
 			problem = "its group_id is not the caller's";
 	}
 	if (problem) {
-		char self[32];
-		snprintf(self, sizeof(self), "self/fd/%d", mnt);
-		if (fchdir(proc) == 0)
-			umount2(self, MNT_DETACH);
+		detach(proc, mnt);
 		finish("failed", "the mount was undone: %s", problem);
 	}
 	say("status", "ok", "mnt_id", (snprintf(want, sizeof(want), "%lu", m->id), want),

@@ -114,18 +114,6 @@ static void clone_sources(int proc, int trees[COUNT])
 	}
 }
 
-/* Detaches the mount an O_PATH fd is at the root of: through the broker's /proc
- * (self/fd/N), so no path in the container is looked up again. */
-static int detach(int proc, int fd)
-{
-	char self[32];
-
-	snprintf(self, sizeof(self), "self/fd/%d", fd);
-	if (fchdir(proc) == -1)
-		return -1;
-	return umount2(self, MNT_DETACH);
-}
-
 /* Step 2: the lxcfs binds already on the file, top first, and nothing under another;
  * each reached from its directory's fd, never by a path. */
 static void remove_stale(int proc, struct table *t, int dir, const struct target *to,

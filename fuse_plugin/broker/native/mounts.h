@@ -286,6 +286,18 @@ static int walk_beneath(const struct table *t, const char *path, int whole)
 	return cur;
 }
 
+/* Detaches the mount an fd is at the root of (an O_PATH fd, or a new mount's) through the
+ * broker's /proc (self/fd/N), so no path in the tenant's namespace is looked up again. */
+static int detach(int proc, int fd)
+{
+	char self[32];
+
+	snprintf(self, sizeof(self), "self/fd/%d", fd);
+	if (fchdir(proc) == -1)
+		return -1;
+	return umount2(self, MNT_DETACH);
+}
+
 /* Moves this process into the caller's cgroups (FUSE_BROKER_CGROUPS: "NAME=FD ...",
  * each FD its cgroup.procs opened by the broker, fuse_plugin/broker/cgroups.py) and
  * closes them: what it allocates and the CPU it spends from then on are the caller's.
